@@ -1,0 +1,1 @@
+"""absl binaries: python -m launch.{train,eval,convert,generate,bench}."""

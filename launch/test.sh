@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Creates the virtual environment (runtime + test requirements) if needed and runs the test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source launch/venv.sh
+ensure_venv requirements-dev.txt
+export JAX_PLATFORMS=cpu
+exec "$PY" -m pytest tests -q "$@"

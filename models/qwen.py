@@ -1,0 +1,354 @@
+"""Qwen2 / Qwen2.5 / Qwen3 dense decoder in Flax NNX.
+
+Layout decisions:
+- Decoder-layer weights are stored *stacked* with a leading `layers` axis, always. `scan_layers`
+  only chooses how they are executed (`lax.scan` or an unrolled Python loop over slices), so both
+  run the same parameters and checkpoints never depend on the execution mode.
+- Projections keep their head structure (`q_proj: [layers, embed, q_heads, head_dim]`) so every
+  dimension has a logical axis name for sharding (`PARAM_AXES`).
+- One forward serves three callers:
+  `__call__(tokens, positions, segment_ids)` for padded or packed rows (segment id 0 = padding; no
+  attention across segments), `hidden_states` + `unembed` for the chunked-vocab train step, and
+  `decode(tokens, num_new, cache)` for the sampler's KV cache (prefill, decode and multi-turn
+  extension are all "append `num_new[b]` tokens to row b").
+"""
+from __future__ import annotations
+
+import functools
+import math
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models import sharding as shd
+from models.config import QwenConfig
+
+# NNX parameter path -> logical axes. The single source of truth for parameter sharding.
+PARAM_AXES: dict[str, tuple[str, ...]] = {
+    "embed": ("vocab", "embed"),
+    "lm_head": ("vocab", "embed"),
+    "final_norm": ("norm",),
+    "layers/attn_norm": ("layers", "norm"),
+    "layers/q_proj": ("layers", "embed", "q_heads", "head_dim"),
+    "layers/k_proj": ("layers", "embed", "kv_heads", "head_dim"),
+    "layers/v_proj": ("layers", "embed", "kv_heads", "head_dim"),
+    "layers/q_bias": ("layers", "q_heads", "head_dim"),
+    "layers/k_bias": ("layers", "kv_heads", "head_dim"),
+    "layers/v_bias": ("layers", "kv_heads", "head_dim"),
+    "layers/q_norm": ("layers", "head_dim"),
+    "layers/k_norm": ("layers", "head_dim"),
+    "layers/o_proj": ("layers", "q_heads", "head_dim", "embed"),
+    "layers/mlp_norm": ("layers", "norm"),
+    "layers/gate_proj": ("layers", "embed", "mlp"),
+    "layers/up_proj": ("layers", "embed", "mlp"),
+    "layers/down_proj": ("layers", "mlp", "embed"),
+}
+CACHE_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+_NEG_INF = -1e30  # finite, so fully masked rows stay NaN-free
+
+
+def param_shapes(cfg: QwenConfig) -> dict[str, tuple[int, ...]]:
+    """Shape of every parameter present in this config (absent ones are omitted)."""
+    L, E, H, K, D, F, V = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+                           cfg.head_dim, cfg.intermediate_size, cfg.vocab_size)
+    shapes = {
+        "embed": (V, E),
+        "final_norm": (E,),
+        "layers/attn_norm": (L, E),
+        "layers/q_proj": (L, E, H, D),
+        "layers/k_proj": (L, E, K, D),
+        "layers/v_proj": (L, E, K, D),
+        "layers/o_proj": (L, H, D, E),
+        "layers/mlp_norm": (L, E),
+        "layers/gate_proj": (L, E, F),
+        "layers/up_proj": (L, E, F),
+        "layers/down_proj": (L, F, E),
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (V, E)
+    if cfg.qkv_bias:
+        shapes.update({"layers/q_bias": (L, H, D), "layers/k_bias": (L, K, D), "layers/v_bias": (L, K, D)})
+    if cfg.qk_norm:
+        shapes.update({"layers/q_norm": (L, D), "layers/k_norm": (L, D)})
+    return shapes
+
+
+def _init_value(name: str, shape, dtype, key) -> jax.Array:
+    leaf = name.rsplit("/", 1)[-1]
+    if leaf.endswith("norm"):
+        return jnp.ones(shape, dtype)
+    if leaf.endswith("bias"):
+        return jnp.zeros(shape, dtype)
+    return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+class DecoderStack(nnx.Module):
+    """All decoder layers' weights, stacked on a leading `layers` axis."""
+
+    def __init__(self, params: dict[str, nnx.Param]):
+        for name, p in params.items():
+            setattr(self, name, p)
+
+    def arrays(self) -> dict[str, jax.Array]:
+        return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Per-row KV cache. Row b holds one sequence in slots [0, lengths[b]); slot == position."""
+
+    k: jax.Array  # [layers, batch, max_len, kv_heads, head_dim]
+    v: jax.Array
+    lengths: jax.Array  # [batch] int32
+
+    @classmethod
+    def zeros(cls, cfg: QwenConfig, batch: int, max_len: int, dtype=None, mesh=None) -> "KVCache":
+        dtype = jnp.dtype(dtype or cfg.dtype)
+        shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        k = jnp.zeros(shape, dtype)
+        lengths = jnp.zeros((batch,), jnp.int32)
+        if mesh is not None:
+            s = shd.named_sharding(CACHE_AXES, shape, mesh)
+            k = jax.device_put(k, s)
+            lengths = jax.device_put(lengths, shd.named_sharding(("batch",), (batch,), mesh))
+        return cls(k=k, v=k, lengths=lengths)
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+
+class Qwen(nnx.Module):
+    """Qwen decoder-only LM. Build with `create_model` (sharded init) or `models.load_hf_model`."""
+
+    def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs, mesh: jax.sharding.Mesh | None = None):
+        self.cfg = cfg
+        self.mesh = mesh
+        pdt = jnp.dtype(cfg.param_dtype)
+        values = {name: nnx.Param(_init_value(name, shape, pdt, rngs.params()))
+                  for name, shape in param_shapes(cfg).items()}
+        self.embed = values.pop("embed")
+        self.final_norm = values.pop("final_norm")
+        self.lm_head = values.pop("lm_head", None)
+        self.layers = DecoderStack({k.split("/", 1)[1]: v for k, v in values.items()})
+
+    # -- public forwards ---------------------------------------------------------------------------
+    def __call__(self, tokens, positions=None, segment_ids=None) -> jax.Array:
+        """tokens [B, T] -> float32 logits [B, T, V]."""
+        return self.unembed(self.hidden_states(tokens, positions, segment_ids))
+
+    def hidden_states(self, tokens, positions=None, segment_ids=None) -> jax.Array:
+        """Final-norm hidden states [B, T, E] of padded or packed rows.
+
+        segment_ids [B, T]: tokens attend only to earlier tokens of the same segment; 0 marks
+        padding. positions [B, T]: RoPE positions; default restarts at 0 in every segment run.
+        """
+        tokens = jnp.asarray(tokens)
+        if segment_ids is None:
+            segment_ids = jnp.ones(tokens.shape, jnp.int32)
+        if positions is None:
+            positions = positions_from_segments(segment_ids)
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]
+        idx = jnp.arange(tokens.shape[1])
+        mask = same & (idx[:, None] >= idx[None, :])[None]
+        x, _ = self._run_layers(tokens, positions, mask, cache=None)
+        return x
+
+    def decode(self, tokens, num_new, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """Appends tokens[b, :num_new[b]] to row b of `cache`; returns hidden [B, T, E], new cache.
+
+        Positions are the cache slots (lengths[b] + t). Entries t >= num_new[b] are padding: their
+        outputs are garbage and they are not written. Tokens that would land past the cache end are
+        dropped; callers must check `lengths + num_new <= max_len` (the sampler finishes such a row
+        with `context_full`).
+        """
+        tokens = jnp.asarray(tokens)
+        B, T = tokens.shape
+        num_new = jnp.asarray(num_new, jnp.int32)
+        t = jnp.arange(T)
+        positions = cache.lengths[:, None] + t[None, :]
+        old = jnp.arange(cache.max_len)[None, None, :] < cache.lengths[:, None, None]  # [B,1,S]
+        mask = jnp.concatenate(
+            [jnp.broadcast_to(old, (B, T, cache.max_len)),
+             jnp.broadcast_to(t[:, None] >= t[None, :], (B, T, T))], axis=-1)
+        x, (k_new, v_new) = self._run_layers(tokens, positions, mask, cache=cache)
+        # write the new K/V after all layers: layers only read the cache, so it is updated once
+        slots = jnp.where(t[None, :] < num_new[:, None], positions, cache.max_len)  # OOB -> dropped
+        rows = jnp.arange(B)[:, None]
+        k = cache.k.at[:, rows, slots].set(k_new.astype(cache.k.dtype), mode="drop")
+        v = cache.v.at[:, rows, slots].set(v_new.astype(cache.v.dtype), mode="drop")
+        lengths = jnp.minimum(cache.lengths + num_new, cache.max_len)
+        return x, KVCache(k=k, v=v, lengths=lengths)
+
+    def unembed(self, hidden) -> jax.Array:
+        """hidden [..., E] -> float32 logits [..., V]."""
+        return jnp.einsum("...e,ve->...v", hidden, self.lm_head_weight().astype(hidden.dtype),
+                          preferred_element_type=jnp.float32)
+
+    def lm_head_weight(self) -> jax.Array:
+        """[V, E]: the untied head, or the embedding when tied."""
+        return (self.embed if self.lm_head is None else self.lm_head)[...]
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _run_layers(self, tokens, positions, mask, cache: KVCache | None):
+        cfg = self.cfg
+        dtype = jnp.dtype(cfg.dtype)
+        # the residual stream stays float32; matmul inputs are cast to the compute dtype
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(dtype).astype(jnp.float32)
+        x = shd.constrain(x, ("batch", "seq", "act_embed"), self.mesh)
+        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+        layer = functools.partial(_decoder_layer, cfg=cfg, cos=cos, sin=sin, mask=mask, mesh=self.mesh)
+        policy = REMAT_POLICIES[cfg.remat]
+        if cfg.remat != "none":
+            layer = jax.checkpoint(layer, policy=policy)
+        params = self.layers.arrays()
+        kv_in = None if cache is None else (cache.k, cache.v)
+
+        def body(h, xs):
+            p, kv = xs
+            return layer(p, h, kv)
+
+        if cfg.scan_layers:
+            x, kv_out = jax.lax.scan(body, x, (params, kv_in))
+        else:
+            outs = []
+            for i in range(cfg.num_layers):
+                xs = jax.tree.map(lambda a: a[i], (params, kv_in))
+                x, kv = body(x, xs)
+                outs.append(kv)
+            kv_out = jax.tree.map(lambda *a: jnp.stack(a), *outs) if cache is not None else None
+        x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps).astype(dtype)
+        return x, kv_out
+
+
+def _decoder_layer(p: dict[str, jax.Array], x, kv_cache, *, cfg: QwenConfig, cos, sin, mask, mesh):
+    """One pre-norm decoder layer. Returns (x, (k_new, v_new) if a cache is read else None)."""
+    dtype = jnp.dtype(cfg.dtype)
+    w = {k: v.astype(dtype) for k, v in p.items()}
+    h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps).astype(dtype)
+    q = jnp.einsum("bte,ehd->bthd", h, w["q_proj"])
+    k = jnp.einsum("bte,ehd->bthd", h, w["k_proj"])
+    v = jnp.einsum("bte,ehd->bthd", h, w["v_proj"])
+    if cfg.qkv_bias:
+        q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
+    if cfg.qk_norm:
+        q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q = shd.constrain(q, ("batch", "seq", "q_heads", "head_dim"), mesh)
+    if kv_cache is None:
+        keys, values, new_kv = k, v, None
+    else:
+        ck, cv = kv_cache
+        keys = jnp.concatenate([ck.astype(dtype), k], axis=1)
+        values = jnp.concatenate([cv.astype(dtype), v], axis=1)
+        new_kv = (k, v)
+    o = attention(q, keys, values, mask)
+    x = x + jnp.einsum("bthd,hde->bte", o, w["o_proj"])
+    x = shd.constrain(x, ("batch", "seq", "act_embed"), mesh)
+    h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps).astype(dtype)
+    gate = jnp.einsum("bte,ef->btf", h, w["gate_proj"])
+    up = jnp.einsum("bte,ef->btf", h, w["up_proj"])
+    x = x + jnp.einsum("btf,fe->bte", jax.nn.silu(gate) * up, w["down_proj"])
+    x = shd.constrain(x, ("batch", "seq", "act_embed"), mesh)
+    return x, new_kv
+
+
+def attention(q, k, v, mask) -> jax.Array:
+    """Grouped-query attention. q [B,T,H,D], k/v [B,S,K,D], mask [B,T,S] bool -> [B,T,H,D].
+
+    Scores and softmax in float32 (as transformers does), probabilities cast back for the value
+    product.
+    """
+    B, T, H, D = q.shape
+    K = k.shape[2]
+    qg = q.reshape(B, T, K, H // K, D)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (D ** -0.5)
+    s = jnp.where(mask[:, None, None], s, _NEG_INF)
+    probs = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(B, T, H, D)
+
+
+def rms_norm(x, weight, eps: float) -> jax.Array:
+    """RMSNorm in float32, scaled in the input dtype (transformers' Qwen2RMSNorm order)."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * y.astype(x.dtype)
+
+
+def rope_tables(positions, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos/sin [B, T, head_dim] in float32 for the half-rotation RoPE layout."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x, cos, sin) -> jax.Array:
+    """x [B, T, H, D] -> rotate-half RoPE, computed in float32 and cast back to x's dtype."""
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    rotated = x32 * cos[:, :, None, :] + jnp.concatenate([-x2, x1], axis=-1) * sin[:, :, None, :]
+    return rotated.astype(x.dtype)
+
+
+def positions_from_segments(segment_ids) -> jax.Array:
+    """Position of each token within its run of equal segment ids: [B, T] int32."""
+    seg = jnp.asarray(segment_ids)
+    T = seg.shape[-1]
+    t = jnp.arange(T, dtype=jnp.int32)
+    starts = jnp.concatenate([jnp.ones_like(seg[..., :1], bool), seg[..., 1:] != seg[..., :-1]], -1)
+    run_start = jax.lax.cummax(jnp.where(starts, t, 0), axis=seg.ndim - 1)
+    return t - run_start
+
+
+# -- construction -----------------------------------------------------------------------------------
+def param_path(keypath) -> str:
+    """'layers/q_proj' from a jax key path into an nnx.State (the trailing `.value` is dropped)."""
+    parts = []
+    for k in keypath:
+        name = getattr(k, "key", getattr(k, "name", None))
+        if name == "value" and isinstance(k, jax.tree_util.GetAttrKey):
+            continue
+        parts.append(str(name))
+    return "/".join(parts)
+
+
+def state_shardings(state, mesh: jax.sharding.Mesh):
+    """NamedSharding per parameter of an (abstract) nnx.State, from PARAM_AXES."""
+    def one(path, leaf):
+        return shd.named_sharding(PARAM_AXES[param_path(path)], leaf.shape, mesh)
+    return jax.tree_util.tree_map_with_path(one, state)
+
+
+def abstract_model(cfg: QwenConfig, mesh=None) -> Qwen:
+    return nnx.eval_shape(lambda: Qwen(cfg, rngs=nnx.Rngs(0), mesh=mesh))
+
+
+def create_model(cfg: QwenConfig, *, seed: int = 0, mesh=None) -> Qwen:
+    """Random-init model; under a mesh every parameter is created already sharded."""
+    graphdef, abstract_state = nnx.split(abstract_model(cfg, mesh))
+    out_shardings = None if mesh is None else state_shardings(abstract_state, mesh)
+
+    @functools.partial(jax.jit, out_shardings=out_shardings)
+    def init():
+        return nnx.state(Qwen(cfg, rngs=nnx.Rngs(seed), mesh=mesh))
+
+    return nnx.merge(graphdef, init())
+
+
+def model_state_arrays(model: Qwen) -> dict[str, jax.Array]:
+    """{'layers/q_proj': array, ...}: flat view of the parameters."""
+    return {param_path(p): a for p, a in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))}
+
+
+def count_params(cfg: QwenConfig) -> int:
+    return sum(math.prod(s) for s in param_shapes(cfg).values())
+

@@ -1,0 +1,131 @@
+"""Built-in environment: expert solves every test task, random play rarely does, splits hold."""
+
+import collections
+import random
+
+import pytest
+
+from envs.builtin import FAMILIES, INVALID, MAX_STEPS, MIN_STEPS, BuiltinEnv, generate_task
+
+
+@pytest.fixture(scope="module")
+def env():
+    return BuiltinEnv()
+
+
+def _play(env, task_id, actions, max_steps=None):
+    obs, info = env.reset(task_id, max_steps=max_steps)
+    trace = [obs]
+    score, done, info = 0.0, False, info
+    for a in actions:
+        obs, score, done, info = env.step(a)
+        trace.append(obs)
+        if done:
+            break
+    return trace, score, done, info
+
+
+def test_expert_solves_every_test_and_train_task(env):
+    ids = env.task_ids("test") + env.task_ids("train")[:300]
+    for tid in ids:
+        actions = env.expert_actions(tid)
+        assert MIN_STEPS <= len(actions) <= MAX_STEPS
+        _, score, done, info = _play(env, tid, actions, max_steps=env.max_rounds["eval"])
+        assert done and score == 1.0 and env.success(score, done, info), (tid, actions)
+        assert info["rounds"] == len(actions)  # it ends exactly on the last expert action
+
+
+def test_random_actions_solve_few(env):
+    rng = random.Random(0)
+    space = env.action_space()
+    wins = trials = 0
+    for tid in env.task_ids("test"):
+        for _ in range(3):
+            env.reset(tid, max_steps=env.max_rounds["train"])
+            done = False
+            while not done:
+                _, score, done, info = env.step(rng.choice(space))
+            wins += env.success(score, done, info)
+            trials += 1
+    assert wins / trials < 0.1
+
+
+def test_expert_prefix_is_not_success(env):
+    # Every family needs several steps in order: stopping one short never succeeds.
+    for tid in env.task_ids("test")[:60]:
+        actions = env.expert_actions(tid)
+        _, score, done, info = _play(env, tid, actions[:-1], max_steps=len(actions) - 1)
+        assert not env.success(score, done, info)
+        assert score < 1.0
+
+
+def test_splits_disjoint_as_tasks_and_stable(env):
+    train, test = env.task_ids("train"), env.task_ids("test")
+    assert len(train) == 1000 and len(test) == 100
+    assert not set(train) & set(test)
+    sig_train = {generate_task(i).signature() for i in train}
+    sig_test = {generate_task(i).signature() for i in test}
+    assert not sig_train & sig_test
+    assert len(sig_test) == len(test) and len(sig_train) == len(train)
+    # Pinned: the generator and the split rule must not drift between runs or versions.
+    assert test[:8] == [29, 30, 33, 37, 43, 47, 48, 50]
+    assert BuiltinEnv(num_train=10, num_test=5).task_ids("test") == test[:5]
+
+
+def test_generator_is_deterministic_and_demos_too(env):
+    tid = env.task_ids("test")[3]
+    generate_task.cache_clear()
+    a = (generate_task(tid).signature(), env.expert_actions(tid))
+    generate_task.cache_clear()
+    b = (generate_task(tid).signature(), env.expert_actions(tid))
+    assert a == b
+    trace1 = _play(env, tid, env.expert_actions(tid))[0]
+    trace2 = _play(env, tid, env.expert_actions(tid))[0]
+    assert trace1 == trace2
+
+
+def test_families_balanced_and_reported(env):
+    counts = collections.Counter(env.task_family(t) for t in env.task_ids("train"))
+    assert set(counts) == set(FAMILIES) and min(counts.values()) > 250
+    obs, info = env.reset(env.task_ids("test")[0])
+    assert info["family"] == env.task_family(env.task_ids("test")[0])
+    assert obs.startswith("Task: ")
+
+
+def test_invalid_actions_and_unparseable_replies(env):
+    tid = env.task_ids("test")[0]
+    obs0, _ = env.reset(tid, max_steps=5)
+    obs, score, done, info = env.step("fly to the moon")
+    assert obs == INVALID == env.invalid_action_message and info["invalid"] and not done
+    obs, score, done, info = env.step(None)           # unparseable reply: costs a round
+    assert obs == INVALID and info["rounds"] == 2 and info["parsed"] is False
+    obs, *_ = env.step("look")
+    assert obs == obs0.split(". ", 1)[1]                # look repeats the room, task line dropped
+
+
+def test_step_cap_truncates(env):
+    tid = env.task_ids("test")[0]
+    env.reset(tid, max_steps=2)
+    _, _, done, info = env.step("look")
+    assert not done
+    _, _, done, info = env.step("look")
+    assert done and info["truncated"] and not env.success(0.0, done, info)
+    with pytest.raises(RuntimeError):
+        env.step("look")
+
+
+def test_vocabulary_is_small(env):
+    words = set()
+    for tid in env.task_ids("train")[:200]:
+        trace = _play(env, tid, env.expert_actions(tid))[0]
+        for text in trace + env.expert_actions(tid):
+            words.update(text.replace(".", " ").replace(",", " ").lower().split())
+    assert len(words) < 60, sorted(words)
+    assert max(len(t) for t in trace) < 160
+
+
+def test_replies_in_react_format_parse_to_expert_actions(env):
+    for tid in env.task_ids("test")[:20]:
+        for a in env.expert_actions(tid):
+            assert env.parse_action(f"Thought: next.\nAction: {a}") == a
+            assert env.parse_action(f"Action: {a}") == a

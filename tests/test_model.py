@@ -1,0 +1,122 @@
+"""Qwen2/Qwen3 NNX forward against transformers (torch CPU) on tiny random checkpoints."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import models
+from models import qwen
+from tests.hf_fixtures import TINY_CONFIGS, hf_logits, make_tiny_hf
+
+RNG = np.random.RandomState(0)
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
+def tiny(request, tmp_path_factory):
+    family, kw = TINY_CONFIGS[request.param]
+    directory = str(tmp_path_factory.mktemp(request.param))
+    torch_model = make_tiny_hf(directory, family, **kw)
+    model, cfg = models.load_hf_model(directory)
+    return directory, torch_model, model, cfg
+
+
+def _forward(model, tokens, segment_ids=None, positions=None):
+    return np.asarray(nnx.jit(lambda m, t, s, p: m(t, positions=p, segment_ids=s))(
+        model, jnp.asarray(tokens), None if segment_ids is None else jnp.asarray(segment_ids),
+        None if positions is None else jnp.asarray(positions)))
+
+
+def test_logits_match_transformers(tiny):
+    _, torch_model, model, cfg = tiny
+    tokens = RNG.randint(0, cfg.vocab_size, (3, 17))
+    ref = hf_logits(torch_model, tokens)
+    out = _forward(model, tokens)
+    assert out.shape == (3, 17, cfg.vocab_size) and out.dtype == np.float32
+    assert np.abs(ref).max() > 1.0  # the weights are large enough for errors to show
+    np.testing.assert_allclose(out, ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padded_batch_matches_transformers(tiny, side):
+    _, torch_model, model, cfg = tiny
+    lengths, T = [13, 7, 2], 13
+    tokens = RNG.randint(0, cfg.vocab_size, (3, T))
+    mask = np.zeros((3, T), np.int32)
+    for b, n in enumerate(lengths):
+        mask[b, :n] = 1
+    if side == "left":
+        mask = mask[:, ::-1].copy()
+    ref = hf_logits(torch_model, tokens, mask)
+    out = _forward(model, tokens, segment_ids=mask)
+    real = mask.astype(bool)
+    np.testing.assert_allclose(out[real], ref[real], atol=1e-4, rtol=0)
+
+
+def test_packed_rows_equal_sequences_alone(tiny):
+    _, _, model, cfg = tiny
+    seqs = [RNG.randint(0, cfg.vocab_size, n) for n in (9, 4, 6)]
+    row = np.concatenate(seqs + [np.zeros(5, np.int64)])[None]
+    seg = np.concatenate([np.full(len(s), i + 1) for i, s in enumerate(seqs)] + [np.zeros(5)])[None]
+    packed = _forward(model, row, segment_ids=seg.astype(np.int32))[0]
+    start = 0
+    for s in seqs:
+        alone = _forward(model, s[None])[0]
+        np.testing.assert_allclose(packed[start:start + len(s)], alone, atol=2e-5, rtol=0)
+        start += len(s)
+
+
+def test_scanned_looped_and_remat_are_identical(tiny):
+    directory, _, model, cfg = tiny
+    looped, _ = models.load_hf_model(directory, scan_layers=False)
+    remat, _ = models.load_hf_model(directory, remat="full")
+    tokens = jnp.asarray(RNG.randint(0, cfg.vocab_size, (2, 11)))
+    np.testing.assert_allclose(_forward(looped, tokens), _forward(model, tokens), atol=1e-5, rtol=0)
+
+    def loss(m, t):
+        return jnp.mean(jax.nn.log_softmax(m(t))[..., 0])
+
+    grads = [nnx.jit(nnx.grad(loss))(m, tokens) for m in (model, looped, remat)]
+    flat = [jax.tree.leaves(g) for g in grads]
+    for other in flat[1:]:
+        for a, b in zip(flat[0], other):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
+
+
+def test_bf16_close_to_fp32(tiny):
+    directory, _, model, cfg = tiny
+    bf16, _ = models.load_hf_model(directory, dtype="bfloat16")
+    assert bf16.layers.q_proj[...].dtype == jnp.bfloat16
+    tokens = RNG.randint(0, cfg.vocab_size, (2, 16))
+    lp32 = jax.nn.log_softmax(_forward(model, tokens))
+    lp16 = jax.nn.log_softmax(_forward(bf16, tokens))
+    kl = np.sum(np.exp(lp32) * (lp32 - lp16), axis=-1)
+    assert kl.max() < 1e-3, kl.max()
+    assert kl.max() > 0  # really computed in bf16
+
+
+def test_kv_cache_prefill_decode_equals_full_forward(tiny):
+    _, _, model, cfg = tiny
+    T = 12
+    tokens = RNG.randint(0, cfg.vocab_size, (2, T))
+    full = _forward(model, tokens)
+    prompt_len = np.array([5, 3])
+    cache = models.KVCache.zeros(cfg, batch=2, max_len=16)
+    step = nnx.jit(lambda m, t, n, c: m.decode(t, n, c))
+    h, cache = step(model, jnp.asarray(tokens[:, :5]), jnp.asarray(prompt_len), cache)
+    logits = np.asarray(model.unembed(h))
+    for b in range(2):
+        np.testing.assert_allclose(logits[b, :prompt_len[b]], full[b, :prompt_len[b]], atol=1e-4, rtol=0)
+    np.testing.assert_array_equal(np.asarray(cache.lengths), prompt_len)
+    # one token per step; row b continues from its own length
+    for _ in range(4):
+        pos = np.asarray(cache.lengths)
+        nxt = tokens[np.arange(2), pos][:, None]
+        h, cache = step(model, jnp.asarray(nxt), jnp.ones(2, jnp.int32), cache)
+        logits = np.asarray(model.unembed(h))[:, 0]
+        np.testing.assert_allclose(logits, full[np.arange(2), pos], atol=1e-4, rtol=0)
+
+
+def test_positions_from_segments():
+    seg = np.array([[0, 0, 1, 1, 1, 2, 2, 0]])
+    np.testing.assert_array_equal(np.asarray(qwen.positions_from_segments(seg)), [[0, 1, 0, 1, 2, 0, 1, 0]])
