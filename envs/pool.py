@@ -1,0 +1,556 @@
+"""Environment worker processes with an asynchronous API that survives crashes and hangs.
+
+The rollout loop keeps many episodes in flight while the sampler decodes: it submits resets and
+steps, which are sent to worker *processes* at once, and later collects whatever has finished with
+`poll`. Workers are separate interpreters started with subprocess (never fork: the trainer runs JAX
+threads) and speak JSON lines over pipes (envs.worker), so a family can run under its own virtual
+environment (envs.registry.family_python).
+
+Failure model: every request has a deadline (the family's call timeout). A worker that dies
+(SIGKILL, segfault, exit) or misses a deadline is killed with its whole process group (its JVMs
+too) and replaced by a fresh one; the episode whose call failed gets an EnvResult with
+`error='crashed'|'timeout'`, done=True, success=False and a `reason`; other episodes living on the
+same worker fail the same way at their next call. An exception inside an environment fails only
+that episode (`error='env_error'`). `poll` never raises for environment faults, so a batch always
+completes; caller mistakes (stepping an unknown episode) do raise.
+
+No orphans: workers lead their own process group, which `close()` (also run by the context manager,
+at interpreter exit and from `__del__`) kills; a worker whose parent dies kills its own group.
+
+    with EnvPool({"sciworld": 4}) as pool:
+        pool.submit_reset("ep0", "sciworld", task_id=12, max_steps=20)
+        for r in pool.poll(timeout=1.0): ...
+        pool.submit_step("ep0", "look around")
+
+Each worker holds `envs_per_worker` environment instances (slots), i.e. that many live episodes;
+resets beyond the free slots wait in a queue and start as episodes finish or are released.
+An EnvPool is driven from one thread (the rollout loop); it starts no threads of its own.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import json
+import os
+import selectors
+import signal
+import subprocess
+import tempfile
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Hashable, Mapping
+
+from envs.registry import FamilySpec, family_python, get_spec
+
+_REPO_ROOT = str(Path(__file__).resolve().parent.parent)
+_MAX_START_FAILURES = 3          # consecutive failed starts before a family is declared broken
+_CLOSE_GRACE = 2.0               # seconds a worker gets to exit cleanly on close()
+
+
+@dataclass
+class EnvResult:
+    """Outcome of one reset or step. `error` is None on success, else 'crashed', 'timeout',
+    'env_error' or 'start_failed'; an errored result is terminal (done=True, success=False)."""
+    episode: Hashable
+    kind: str                                  # 'reset' | 'step'
+    observation: str = ""
+    score: float = 0.0                         # raw environment score (last known on error)
+    done: bool = False
+    success: bool = False                      # the label Y (SPEC 5), meaningful when done
+    info: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+    reason: str = ""
+    elapsed: float = 0.0                       # seconds from submit to result
+    worker_pid: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass
+class _Request:
+    kind: str
+    episode: Hashable
+    payload: dict[str, Any]
+    submitted: float
+
+
+@dataclass
+class _Episode:
+    family: str
+    task_id: int
+    worker: "_Worker | None" = None
+    slot: int = -1
+    busy: bool = True                          # a request is outstanding
+    score: float = 0.0
+    lost: str | None = None                    # set when its worker died while it was idle
+    released: bool = False
+
+
+class _Worker:
+    """One worker process and its bookkeeping (owned by EnvPool)."""
+
+    def __init__(self, family: str, index: int, slots: int) -> None:
+        self.family, self.index = family, index
+        self.slots: list[Hashable | None] = [None] * slots
+        self.queue: collections.deque[_Request] = collections.deque()
+        self.inflight: _Request | None = None
+        self.sent_at = 0.0
+        self.proc: subprocess.Popen | None = None
+        self.state = "dead"                    # starting | idle | dead
+        self.buf = bytearray()
+        self.stderr = None
+        self.started_at = 0.0
+        self.start_failures = 0
+        self.killed = False
+
+    def free_slot(self) -> int:
+        return self.slots.index(None) if None in self.slots else -1
+
+    def stderr_tail(self, n: int = 1500) -> str:
+        if self.stderr is None:
+            return ""
+        try:
+            self.stderr.seek(0, os.SEEK_END)
+            size = self.stderr.tell()
+            self.stderr.seek(max(0, size - n))
+            return self.stderr.read().decode("utf-8", "replace").strip()
+        except (OSError, ValueError):
+            return ""
+
+
+_LIVE_POOLS: "weakref.WeakSet[EnvPool]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all_pools() -> None:
+    for pool in list(_LIVE_POOLS):
+        pool.close()
+
+
+class EnvPool:
+    """Asynchronous pool of environment worker processes (see module docstring).
+
+    Args:
+      workers: family name -> number of worker processes, e.g. {"builtin": 2, "sciworld": 4}.
+      envs_per_worker: environment instances (concurrent episodes) per worker.
+      call_timeout: seconds per reset/step; a float for all families or a dict by family
+        (default: the family's FamilySpec.call_timeout).
+      python: family -> interpreter path (default: envs.registry.family_python).
+      family_kwargs: family -> constructor kwargs of its EnvFamily.
+      specs: extra or replacement FamilySpecs by name (e.g. a family defined outside envs/).
+    """
+
+    def __init__(self, workers: Mapping[str, int], *, envs_per_worker: int = 1,
+                 call_timeout: float | Mapping[str, float] | None = None,
+                 python: Mapping[str, str] | None = None,
+                 family_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+                 specs: Mapping[str, FamilySpec] | None = None) -> None:
+        self._specs = {name: (specs or {}).get(name) or get_spec(name) for name in workers}
+        self._timeouts = {
+            name: (call_timeout.get(name, spec.call_timeout) if isinstance(call_timeout, Mapping)
+                   else call_timeout if call_timeout is not None else spec.call_timeout)
+            for name, spec in self._specs.items()}
+        self._python = {name: family_python(spec, (python or {}).get(name))
+                        for name, spec in self._specs.items()}
+        self._kwargs = {name: {**spec.kwargs, **dict((family_kwargs or {}).get(name, {}))}
+                        for name, spec in self._specs.items()}
+        self._episodes: dict[Hashable, _Episode] = {}
+        self._waiting: dict[str, collections.deque[_Request]] = {
+            name: collections.deque() for name in workers}
+        self._broken: dict[str, str] = {}
+        self._ready: list[EnvResult] = []
+        self._sel = selectors.DefaultSelector()
+        self._closed = False
+        self._workers: list[_Worker] = []
+        _LIVE_POOLS.add(self)
+        for name, count in workers.items():
+            if count < 1:
+                raise ValueError(f"{name}: need at least one worker")
+            for i in range(count):
+                w = _Worker(name, i, envs_per_worker)
+                self._workers.append(w)
+                self._spawn(w)
+
+    # ---- public API -------------------------------------------------------------------------
+    def submit_reset(self, episode: Hashable, family: str, task_id: int,
+                     max_steps: int | None = None) -> None:
+        """Start `episode` on task `task_id`; its first observation comes back from poll()."""
+        self._check_open()
+        if family not in self._specs:
+            raise ValueError(f"no workers for family {family!r}")
+        if episode in self._episodes:
+            raise ValueError(f"episode {episode!r} is still live or has a call in flight")
+        self._episodes[episode] = _Episode(family, int(task_id))
+        req = _Request("reset", episode, {"op": "reset", "task_id": int(task_id),
+                                          "max_steps": max_steps}, time.monotonic())
+        if family in self._broken:
+            self._fail(req, "start_failed", self._broken[family])
+            return
+        self._waiting[family].append(req)
+        self._assign_waiting(family)
+
+    def submit_step(self, episode: Hashable, action: str | None) -> None:
+        """Send one action (None = unparseable reply) to a live episode."""
+        self._check_open()
+        ep = self._episodes.get(episode)
+        if ep is None or ep.released:
+            raise KeyError(f"episode {episode!r} is not live (finished or never started)")
+        if ep.busy:
+            raise RuntimeError(f"episode {episode!r} already has a call in flight")
+        ep.busy = True
+        req = _Request("step", episode, {"op": "step", "action": action}, time.monotonic())
+        if ep.lost is not None:
+            self._fail(req, "crashed", ep.lost)
+            return
+        req.payload["slot"] = ep.slot
+        ep.worker.queue.append(req)
+        self._dispatch(ep.worker)
+
+    def release(self, episode: Hashable) -> None:
+        """End an episode early (e.g. the round limit was hit); frees its slot."""
+        ep = self._episodes.get(episode)
+        if ep is None or ep.released:
+            return
+        ep.released = True
+        if ep.worker is None:  # its reset still waits for a slot: withdraw it
+            queue = self._waiting[ep.family]
+            for req in [r for r in queue if r.episode == episode]:
+                queue.remove(req)
+            self._episodes.pop(episode, None)
+        elif not ep.busy:
+            self._end_episode(episode)
+        # A busy episode ends when its outstanding result arrives (and is dropped).
+
+    def poll(self, timeout: float | None = 0.0) -> list[EnvResult]:
+        """Results finished so far; waits up to `timeout` seconds for at least one (None: until
+        one arrives or none can arrive without a new submit). Waiting also notices dead workers."""
+        self._check_open()
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._pump(0.0)
+            if self._ready or (end is None and not self._can_progress()):
+                break
+            now = time.monotonic()
+            if end is not None and now >= end:
+                break
+            wait = self._next_deadline() - now
+            if end is not None:
+                wait = min(wait, end - now)
+            self._pump(max(0.0, min(wait, 0.5)))
+            if self._ready:
+                break
+        out, self._ready = self._ready, []
+        return out
+
+    def wait_all(self, timeout: float | None = None) -> list[EnvResult]:
+        """Poll until no result can arrive without a new submit (or `timeout`); returns them all.
+        Resets waiting for a slot held by an idle episode stay pending."""
+        end = None if timeout is None else time.monotonic() + timeout
+        out: list[EnvResult] = []
+        while self._can_progress() or self._ready:
+            left = None if end is None else end - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            out += self.poll(timeout=left)
+        return out + self.poll(0.0)
+
+    def pending(self) -> int:
+        """Requests not yet returned by poll()."""
+        queued = sum(len(w.queue) + (w.inflight is not None) for w in self._workers)
+        return queued + sum(len(q) for q in self._waiting.values()) + len(self._ready)
+
+    def _can_progress(self) -> bool:
+        """Whether a result can still arrive without the caller doing anything."""
+        return any(w.inflight is not None or w.queue for w in self._workers)
+
+    def worker_pids(self, family: str | None = None) -> list[int]:
+        """Pids of live worker processes (for tests and monitoring)."""
+        return [w.proc.pid for w in self._workers
+                if w.proc is not None and w.state != "dead" and family in (None, w.family)]
+
+    def close(self) -> None:
+        """Stop every worker and everything it started. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for w in self._workers:
+            if w.state != "idle" or w.inflight is not None:
+                self._kill(w)  # busy or still starting: it would not read the request
+            elif w.proc is not None:
+                try:
+                    w.proc.stdin.write(b'{"op": "close"}\n')
+                    w.proc.stdin.flush()
+                except OSError:
+                    pass
+        end = time.monotonic() + _CLOSE_GRACE
+        for w in self._workers:
+            if w.proc is not None and w.state != "dead":
+                try:
+                    w.proc.wait(timeout=max(0.0, end - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+            self._kill(w)
+        self._sel.close()
+        _LIVE_POOLS.discard(self)
+
+    def __enter__(self) -> "EnvPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    # ---- workers ------------------------------------------------------------------------------
+    def _spawn(self, w: _Worker) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [_REPO_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        env["PYTHONUNBUFFERED"] = "1"
+        env["PYTHONIOENCODING"] = "utf-8"
+        w.stderr = tempfile.TemporaryFile()
+        w.buf = bytearray()
+        w.killed = False
+        try:
+            w.proc = subprocess.Popen(
+                [self._python[w.family], "-m", "envs.worker"], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=w.stderr, env=env, start_new_session=True)
+        except OSError as e:  # no such interpreter: retrying will not help
+            w.proc, w.state = None, "dead"
+            w.stderr.close()
+            w.stderr = None
+            w.start_failures = _MAX_START_FAILURES - 1
+            self._start_failed(w, f"cannot start {self._python[w.family]}: {e}")
+            return
+        init = {"op": "init", "target": self._specs[w.family].target,
+                "kwargs": self._kwargs[w.family]}
+        try:
+            w.proc.stdin.write(json.dumps(init).encode() + b"\n")
+            w.proc.stdin.flush()
+        except OSError:
+            pass  # it died at once: the EOF on its stdout reports the failed start
+        os.set_blocking(w.proc.stdout.fileno(), False)
+        self._sel.register(w.proc.stdout, selectors.EVENT_READ, w)
+        w.state = "starting"
+        w.started_at = time.monotonic()
+
+    def _kill(self, w: _Worker) -> None:
+        """Kill a worker's process group and reap it (once per process)."""
+        if w.proc is None or w.killed:
+            return
+        w.killed = True
+        try:
+            self._sel.unregister(w.proc.stdout)
+        except (KeyError, ValueError, RuntimeError):
+            pass
+        try:
+            os.killpg(w.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            w.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL does not time out
+            pass
+        for f in (w.proc.stdin, w.proc.stdout, w.stderr):
+            try:
+                f.close()
+            except (OSError, AttributeError):
+                pass
+        w.state = "dead"
+
+    def _worker_lost(self, w: _Worker, error: str, reason: str) -> None:
+        """The worker died or hung: fail its episodes, replace it."""
+        code = w.proc.poll() if w.proc is not None else None
+        tail = w.stderr_tail()
+        self._kill(w)
+        if code is None and w.proc is not None:
+            code = w.proc.returncode
+        detail = f"{reason} (pid {w.proc.pid if w.proc else None}, exit {code})"
+        if tail:
+            detail += f"; stderr tail: {tail[-600:]}"
+        pid = w.proc.pid if w.proc is not None else None
+        failed = []
+        if w.inflight is not None:
+            failed.append((w.inflight, error, detail))
+            w.inflight = None
+        # Calls queued behind the failed one: lost with the worker (or with its failed start).
+        queued_error = "start_failed" if error == "start_failed" else "crashed"
+        failed += [(req, queued_error, f"worker lost: {detail}") for req in w.queue]
+        w.queue.clear()
+        for req, err, why in failed:
+            self._fail(req, err, why, pid)
+        for episode in w.slots:
+            ep = self._episodes.get(episode) if episode is not None else None
+            if ep is not None and ep.worker is w and not ep.busy:
+                ep.lost = f"worker lost while idle: {detail}"
+        w.slots = [None] * len(w.slots)
+        if self._closed or w.family in self._broken:
+            return
+        self._spawn(w)
+
+    def _start_failed(self, w: _Worker, reason: str) -> None:
+        w.start_failures += 1
+        if w.start_failures >= _MAX_START_FAILURES:
+            self._broken[w.family] = reason
+            for req in list(self._waiting[w.family]):
+                self._fail(req, "start_failed", reason)
+            self._waiting[w.family].clear()
+
+    # ---- message pump -------------------------------------------------------------------------
+    def _pump(self, wait: float) -> None:
+        """Read what workers sent (waiting up to `wait`), then enforce deadlines."""
+        if self._sel.get_map():
+            for key, _ in self._sel.select(timeout=wait):
+                self._read(key.data)
+        elif wait > 0:
+            time.sleep(wait)
+        now = time.monotonic()
+        for w in self._workers:
+            if w.state == "dead":
+                continue
+            if w.state == "starting" and now - w.started_at > self._specs[w.family].start_timeout:
+                self._start_failed(w, f"worker did not start within "
+                                      f"{self._specs[w.family].start_timeout:.0f}s")
+                self._worker_lost(w, "start_failed", "start timeout")
+            elif w.inflight is not None and now - w.sent_at > self._timeouts[w.family]:
+                self._worker_lost(w, "timeout",
+                                  f"no answer within {self._timeouts[w.family]:.1f}s")
+
+    def _next_deadline(self) -> float:
+        deadlines = [w.sent_at + self._timeouts[w.family] for w in self._workers
+                     if w.inflight is not None]
+        deadlines += [w.started_at + self._specs[w.family].start_timeout for w in self._workers
+                      if w.state == "starting"]
+        return min(deadlines, default=time.monotonic() + 0.5)
+
+    def _read(self, w: _Worker) -> None:
+        try:
+            chunk = os.read(w.proc.stdout.fileno(), 1 << 20)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            if w.state == "starting":
+                self._start_failed(w, "worker exited during start-up: " + w.stderr_tail())
+                self._worker_lost(w, "start_failed", "exited during start-up")
+            else:
+                self._worker_lost(w, "crashed", "worker process died")
+            return
+        w.buf += chunk
+        while b"\n" in w.buf and w.state != "dead":
+            line, _, rest = bytes(w.buf).partition(b"\n")
+            w.buf = bytearray(rest)
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                self._worker_lost(w, "crashed", f"garbled message {line[:200]!r}")
+                return
+            self._handle(w, msg)
+
+    def _handle(self, w: _Worker, msg: dict[str, Any]) -> None:
+        if "ready" in msg:
+            if not msg["ready"]:
+                reason = str(msg.get("reason", ""))
+                w.start_failures = _MAX_START_FAILURES - 1  # an import error will not heal
+                self._start_failed(w, f"worker could not load its family: {reason}")
+                self._worker_lost(w, "start_failed", f"could not load family: {reason[-600:]}")
+                return
+            w.state, w.start_failures = "idle", 0
+            self._assign_waiting(w.family)
+            self._dispatch(w)
+            return
+        req, w.inflight = w.inflight, None
+        if req is None:
+            self._worker_lost(w, "crashed", "unexpected message")
+            return
+        ep = self._episodes[req.episode]
+        ep.busy = False
+        if msg.get("ok"):
+            ep.score = float(msg.get("score", 0.0))
+            result = EnvResult(req.episode, req.kind, msg.get("observation", ""), ep.score,
+                               bool(msg.get("done")), bool(msg.get("success")),
+                               msg.get("info") or {}, None, "",
+                               time.monotonic() - req.submitted, w.proc.pid)
+        else:
+            result = EnvResult(req.episode, req.kind, "", ep.score, True, False, {},
+                               msg.get("error", "env_error"), str(msg.get("reason", "")),
+                               time.monotonic() - req.submitted, w.proc.pid)
+        if ep.released:
+            self._end_episode(req.episode)
+        else:
+            self._ready.append(result)
+            if result.done:
+                self._end_episode(req.episode)
+        self._dispatch(w)
+
+    # ---- scheduling ---------------------------------------------------------------------------
+    def _dispatch(self, w: _Worker) -> None:
+        if w.state != "idle" or w.inflight is not None or not w.queue:
+            return
+        req = w.queue.popleft()
+        try:
+            w.proc.stdin.write(json.dumps(req.payload).encode("utf-8") + b"\n")
+            w.proc.stdin.flush()
+        except OSError:
+            w.inflight = req
+            self._worker_lost(w, "crashed", "worker pipe closed")
+            return
+        w.inflight, w.sent_at = req, time.monotonic()
+
+    def _assign_waiting(self, family: str) -> None:
+        """Give queued resets the free slots of this family's workers (least loaded first)."""
+        queue = self._waiting[family]
+        while queue:
+            candidates = [w for w in self._workers if w.family == family and w.state != "dead"
+                          and w.free_slot() >= 0]
+            if not candidates:
+                return
+            w = min(candidates, key=lambda w: (w.state != "idle",
+                                               sum(s is not None for s in w.slots)))
+            req = queue.popleft()
+            ep = self._episodes.get(req.episode)
+            if ep is None or ep.released:
+                continue
+            slot = w.free_slot()
+            w.slots[slot] = req.episode
+            ep.worker, ep.slot = w, slot
+            req.payload["slot"] = slot
+            w.queue.append(req)
+            self._dispatch(w)
+
+    def _end_episode(self, episode: Hashable) -> None:
+        ep = self._episodes.pop(episode, None)
+        if ep is None:
+            return
+        w = ep.worker
+        if w is not None and 0 <= ep.slot < len(w.slots) and w.slots[ep.slot] == episode:
+            w.slots[ep.slot] = None
+            self._assign_waiting(ep.family)
+
+    def _fail(self, req: _Request, error: str, reason: str, pid: int | None = None) -> None:
+        ep = self._episodes.get(req.episode)
+        score = ep.score if ep is not None else 0.0
+        result = EnvResult(req.episode, req.kind, "", score, True, False, {}, error, reason,
+                           time.monotonic() - req.submitted, pid)
+        if ep is not None:
+            ep.busy = False
+            released = ep.released
+            self._end_episode(req.episode)
+            if released:
+                return
+        self._ready.append(result)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("EnvPool is closed")
+

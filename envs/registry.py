@@ -1,0 +1,68 @@
+"""Environment families by name: one declarative table, imported lazily.
+
+Each entry names the family's class as a "module:Class" string, so neither the trainer nor a pool
+worker imports a family (or its packages) until it is used. A family may run its workers under its
+own Python interpreter (its own virtual environment: AppWorld pins pydantic 1, tau2 needs pydantic 2,
+ALFWorld compiles native code): the interpreter is, in order, the `python` given to the pool, the
+environment variable named by `python_env` (e.g. COPE_ENV_PYTHON_SCIWORLD=/opt/sw/bin/python), or
+the trainer's own `sys.executable`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """How to build and run one environment family."""
+    name: str
+    target: str                               # "module:Class" of an envs.base.EnvFamily
+    call_timeout: float = 60.0                # default per-call timeout in the pool (seconds)
+    start_timeout: float = 120.0              # worker start-up (interpreter + imports)
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def python_env(self) -> str:
+        return f"COPE_ENV_PYTHON_{self.name.upper()}"
+
+
+FAMILIES: dict[str, FamilySpec] = {
+    spec.name: spec for spec in (
+        FamilySpec("builtin", "envs.builtin:BuiltinEnv", call_timeout=10.0),
+        FamilySpec("sciworld", "envs.sciworld:SciWorldEnv", call_timeout=60.0),
+        # Fault injection for the pool's tests (crash / hang / raise on command).
+        FamilySpec("chaos", "envs.chaos:ChaosEnv", call_timeout=10.0),
+    )
+}
+
+
+def get_spec(name: str) -> FamilySpec:
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise KeyError(f"unknown environment family {name!r}; known: {sorted(FAMILIES)}") from None
+
+
+def import_target(target: str):
+    """The class named by a "module:Class" string."""
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def make_family(name: str, **kwargs: Any):
+    """An instance of a family (static side usable at once; live side opens on reset)."""
+    spec = get_spec(name)
+    return import_target(spec.target)(**{**spec.kwargs, **kwargs})
+
+
+def family_python(spec: FamilySpec | str, override: str | None = None) -> str:
+    """The interpreter that runs this family's workers."""
+    if override:
+        return override
+    spec = get_spec(spec) if isinstance(spec, str) else spec
+    return os.environ.get(spec.python_env) or sys.executable
