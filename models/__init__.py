@@ -7,7 +7,7 @@ from models.safetensors_io import CheckpointError
 from models.sharding import make_mesh
 
 __all__ = ["CheckpointError", "ConfigError", "KVCache", "Qwen", "QwenConfig", "create_model",
-           "load_hf_model", "make_mesh"]
+           "load_hf_model", "load_model", "make_mesh"]
 
 
 def load_hf_model(path: str, *, dtype: str = "float32", mesh=None, **execution) -> tuple[Qwen, QwenConfig]:
@@ -23,3 +23,20 @@ def load_hf_model(path: str, *, dtype: str = "float32", mesh=None, **execution) 
     execution.setdefault("param_dtype", dtype)
     cfg = QwenConfig.from_hf_dir(path, dtype=dtype, **execution)
     return hf_io.load_params(path, cfg, mesh), cfg
+
+
+def load_model(path: str, *, dtype: str | None = None, mesh=None, config_dir: str | None = None,
+               **execution) -> tuple[Qwen, QwenConfig]:
+    """Loads an HF directory (safetensors) or an Orbax one (`params/`, see models/orbax_io.py).
+
+    `dtype=None` keeps the stored dtype (of the embedding) for storage and compute. `config_dir`
+    supplies config.json when `path` has none (e.g. a training checkpoint step). Under `mesh`,
+    every parameter is read straight into its shards. Returns (model, config).
+    """
+    from models import hf_io, model_dir, orbax_io
+
+    io = {"hf": hf_io, "orbax": orbax_io}[model_dir.kind(path)]
+    dtype = dtype or io.stored_dtype(path)
+    execution.setdefault("param_dtype", dtype)
+    cfg = QwenConfig.from_hf_dir(config_dir or path, dtype=dtype, **execution)
+    return io.load_params(path, cfg, mesh), cfg
