@@ -151,7 +151,7 @@ class QwenConfig:
             "use_sliding_window": False,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
-            "torch_dtype": self.param_dtype,
+            "dtype": self.param_dtype,
         }
         if self.family == "qwen3":
             out["attention_bias"] = self.qkv_bias

@@ -276,11 +276,8 @@ def write_safetensors(path: str, tensors: list[ExportTensor], metadata: dict[str
 
 
 def hf_config_dict(cfg: QwenConfig, dtype) -> dict:
-    """config.json contents for weights stored in `dtype` (transformers 5 names it `dtype`)."""
-    hf = cfg.replace(param_dtype=jnp.dtype(dtype).name).to_hf_dict()
-    hf.pop("torch_dtype", None)
-    hf["dtype"] = jnp.dtype(dtype).name
-    return hf
+    """config.json contents for weights stored in `dtype`."""
+    return cfg.replace(param_dtype=jnp.dtype(dtype).name).to_hf_dict()
 
 
 def write_json(path: str, obj) -> None:
