@@ -1,0 +1,188 @@
+"""Host side of a training iteration: train batch -> advantages -> PPO mini-batches of packed rows.
+
+`build_minibatches` takes the rollouts of one train batch (n rollouts per task) and the forecasting
+examples built from them, and returns the packed mini-batches to optimize, in order, each with the
+loss terms its optimizer step uses:
+
+- The train batch is split into PPO mini-batches of whole rollout groups (`groups_per_minibatch`
+  tasks' worth; SPEC 2, Table 9), one optimizer step each.
+- `af_mode='joint'` (default): a group's forecasting examples ride in its mini-batch and the step
+  minimizes L_GRPO + lambda L_AF at once; the AF normalizer counts the mini-batch's groups.
+- `af_mode='sequential'`: the GRPO mini-batches carry only the policy terms, then one more
+  mini-batch holds every forecasting example of the train batch (normalizer over all its groups)
+  and is optimized alone, with the same AdamW state (what the authors' released code does).
+
+Exact aggregation: every loss weight is computed here, from token counts of the whole mini-batch,
+after left-truncation, so any packing or micro-batch split of the mini-batch gives the same loss and
+gradients (see `cope_jax/losses.py`). The first token of every segment has no prediction inside
+the segment and is never a loss token.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from cope_jax import advantages as adv_lib
+from cope_jax import losses
+from cope_jax.methods import POLICY_TERMS, LossConfig, MethodSpec
+from cope_jax.packing import PackedBatch, PackStats, Segment, pack, split_micro, truncate_left
+from cope_jax.trajectory import ForecastExample, Trajectory
+
+
+@dataclasses.dataclass
+class MiniBatch:
+    """One optimizer step's data: numpy PackedBatch [micro, rows, L] and the terms it optimizes."""
+
+    batch: PackedBatch
+    terms: tuple[str, ...]
+    stats: PackStats
+    groups: tuple[int, ...]
+    num_trajectories: int
+    num_examples: int
+
+
+def _rewards(trajectories: Sequence[Trajectory]) -> np.ndarray:
+    return np.array([float(t.success) for t in trajectories], np.float64)
+
+
+def _grpo(trajectories, cfg: LossConfig):
+    groups = [t.group_id for t in trajectories]
+    return adv_lib.grpo_advantages(_rewards(trajectories), groups), {}
+
+
+def _progpo(trajectories, cfg: LossConfig):
+    groups = [t.group_id for t in trajectories]
+    progress = [adv_lib.first_visit_coverage(t.observations, t.num_steps) for t in trajectories]
+    return adv_lib.progpo_advantages(_rewards(trajectories), progress, groups, scale=cfg.progpo_scale)
+
+
+ADVANTAGE_FNS = {"grpo": _grpo, "progpo": _progpo}
+
+
+def compute_advantages(spec: MethodSpec, trajectories: Sequence[Trajectory],
+                       cfg: LossConfig) -> tuple[np.ndarray, dict[str, float]]:
+    """Per-trajectory advantages of the method's estimator over the whole train batch ([N], stats)."""
+    if spec.advantage is None:
+        return np.zeros(len(trajectories), np.float32), {}
+    return ADVANTAGE_FNS[spec.advantage](trajectories, cfg)
+
+
+def minibatch_groups(group_ids: Sequence[int], groups_per_minibatch: int) -> list[tuple[int, ...]]:
+    """Groups in order of first appearance, cut into consecutive mini-batches."""
+    if groups_per_minibatch < 1:
+        raise ValueError("groups_per_minibatch must be >= 1")
+    order = list(dict.fromkeys(int(g) for g in group_ids))
+    return [tuple(order[i:i + groups_per_minibatch]) for i in range(0, len(order), groups_per_minibatch)]
+
+
+def _loss_mask(mask: np.ndarray) -> np.ndarray:
+    out = mask.astype(bool).copy()
+    if len(out):
+        out[0] = False  # no context inside the segment
+    return out
+
+
+def _spread(per_seq: np.ndarray, masks: list[np.ndarray]) -> list[np.ndarray]:
+    return [w * m.astype(np.float32) for w, m in zip(per_seq, masks)]
+
+
+def trajectory_segments(trajectories: Sequence[Trajectory], advantages: np.ndarray, terms: Sequence[str],
+                        cfg: LossConfig, row_len: int, first_index: int = 0) -> list[Segment]:
+    """Trajectory rows of one mini-batch with the weights of its policy / rft / echo terms."""
+    segs = []
+    for i, (t, a) in enumerate(zip(trajectories, advantages)):
+        seg = Segment(tokens=t.tokens, index=first_index + i, action_mask=t.action_mask, obs_mask=t.obs_mask,
+                      sampler_logp=t.sampler_logp, advantage=np.float32(a) * t.action_mask)
+        segs.append(truncate_left(seg, row_len))
+    action = [_loss_mask(s.action_mask) for s in segs]
+    counts = np.array([m.sum() for m in action], np.float32)
+    if set(terms) & set(POLICY_TERMS):
+        w = losses.sequence_token_weights(counts, cfg.aggregation, cfg.norm_length)
+        for s, wt in zip(segs, _spread(w, action)):
+            s.pg_weight = wt
+    if "rft" in terms:
+        w = losses.sequence_token_weights(counts, cfg.aggregation, cfg.norm_length)
+        for s, m, wt in zip(segs, action, _spread(w, action)):
+            s.target_mask, s.target_weight = m, wt
+    if "echo" in terms:
+        obs = [_loss_mask(s.obs_mask) for s in segs]
+        w = losses.sequence_token_weights(np.array([m.sum() for m in obs], np.float32), "token-mean")
+        for s, wt in zip(segs, _spread(w, obs)):
+            s.obs_weight = wt
+    return segs
+
+
+def example_segments(examples: Sequence[ForecastExample], num_groups: int, cfg: LossConfig,
+                     row_len: int, first_index: int = 0) -> list[Segment]:
+    """Forecasting-example rows with their AF weights; `num_groups` is the normalizer (losses)."""
+    segs = [truncate_left(Segment(tokens=e.tokens, index=first_index + j, target_mask=e.target_mask), row_len)
+            for j, e in enumerate(examples)]
+    targets = [_loss_mask(s.target_mask) for s in segs]
+    w = losses.forecast_token_weights(np.array([e.weight for e in examples], np.float32),
+                                      np.array([m.sum() for m in targets], np.float32),
+                                      num_groups, cfg.af_normalization)
+    for s, m, wt in zip(segs, targets, _spread(w, targets)):
+        s.target_mask, s.target_weight = m, wt
+    return segs
+
+
+def _af_groups(trajectories: Sequence[Trajectory], cfg: LossConfig) -> int:
+    groups = [t.group_id for t in trajectories]
+    if cfg.af_normalization == "paper_exact":
+        return len(set(groups))
+    return adv_lib.groups_with_success(_rewards(trajectories), groups)
+
+
+def _pack(segments, terms, groups, n_traj, n_ex, row_len, rows_per_micro) -> MiniBatch:
+    packed, stats = pack(segments, row_len, rows_multiple=rows_per_micro)
+    return MiniBatch(batch=split_micro(packed, rows_per_micro), terms=tuple(terms), stats=stats,
+                     groups=tuple(groups), num_trajectories=n_traj, num_examples=n_ex)
+
+
+def build_minibatches(trajectories: Sequence[Trajectory], examples: Sequence[ForecastExample],
+                      spec: MethodSpec, cfg: LossConfig, *, groups_per_minibatch: int, row_len: int,
+                      rows_per_micro: int,
+                      advantages: np.ndarray | None = None) -> tuple[list[MiniBatch], dict[str, float]]:
+    """The optimizer steps of one train batch, in order (module docstring).
+
+    `advantages` overrides the method's estimator (per trajectory, [N]). Returns the mini-batches
+    (mini-batches left without any loss token are dropped) and host statistics.
+    """
+    if advantages is None:
+        advantages, stats = compute_advantages(spec, trajectories, cfg)
+    else:
+        stats = {}
+        advantages = np.asarray(advantages, np.float32)
+        if advantages.shape != (len(trajectories),):
+            raise ValueError(f"advantages has shape {advantages.shape}, expected ({len(trajectories)},)")
+    if examples and "af" not in spec.terms:
+        raise ValueError(f"method {spec.name!r} has no forecasting term but {len(examples)} examples were given")
+    known = {t.group_id for t in trajectories}
+    stray = sorted({e.group_id for e in examples} - known)
+    if stray:
+        raise ValueError(f"forecasting examples of groups {stray[:5]} have no trajectories in this batch")
+    joint = cfg.af_mode == "joint"
+    step_terms = spec.terms if joint else spec.only(set(spec.terms) - {"af"})
+    out: list[MiniBatch] = []
+    for groups in minibatch_groups([t.group_id for t in trajectories], groups_per_minibatch):
+        members = set(groups)
+        idx = [i for i, t in enumerate(trajectories)
+               if t.group_id in members and (spec.trajectories == "all" or t.success)]
+        trajs = [trajectories[i] for i in idx]
+        segs = trajectory_segments(trajs, advantages[idx], step_terms, cfg, row_len) if step_terms else []
+        exs = [e for e in examples if e.group_id in members] if joint else []
+        if exs:
+            in_groups = [t for t in trajectories if t.group_id in members]
+            segs += example_segments(exs, _af_groups(in_groups, cfg), cfg, row_len, first_index=len(trajs))
+        if any(s.pg_weight.any() or s.target_weight.any() or s.obs_weight.any() for s in segs):
+            out.append(_pack(segs, step_terms, groups, len(trajs), len(exs), row_len, rows_per_micro))
+    if not joint and examples:
+        segs = example_segments(examples, _af_groups(trajectories, cfg), cfg, row_len)
+        all_groups = tuple(dict.fromkeys(e.group_id for e in examples))
+        out.append(_pack(segs, ("af",), all_groups, 0, len(examples), row_len, rows_per_micro))
+    stats["minibatches"] = float(len(out))
+    stats["truncated_tokens"] = float(sum(m.stats.truncated_tokens for m in out))
+    stats["truncated_sequences"] = float(sum(m.stats.truncated_sequences for m in out))
+    return out, stats

@@ -1,0 +1,259 @@
+"""The fused train step: packed micro-batches -> one AdamW update, for any registered method.
+
+One step = one PPO mini-batch (`cope_jax/batching.py`): a PackedBatch [micro, rows, L] and the loss
+terms it optimizes (`cope_jax/methods.py`). Inside one jitted function:
+
+1. `lax.scan` over micro-batches. Each micro-batch runs the decoder over its packed rows, then the
+   chunked per-token logprobs / entropies (`cope_jax/logprobs.py`; the [tokens, vocab] logits never
+   exist at once), then the fused loss `sum_term coef_term * term` (`cope_jax/losses.py`). The
+   coefficients are a runtime input (0 for terms outside the method): every method, the
+   sequential AF step and any coefficient schedule run the same executable; only the entropy
+   (an extra pass over the vocabulary) is a static switch.
+2. Gradients and additive metrics are summed over micro-batches. Every term is a weighted token sum
+   whose weights were normalized over the whole mini-batch on the host, so the sum over
+   micro-batches *is* the mini-batch loss and gradient: accumulation is exact, never an average of
+   per-micro-batch means.
+3. optax: clip_by_global_norm(1.0) then AdamW (SPEC 2), through `nnx.Optimizer(model, tx, wrt=nnx.Param)`.
+
+Forward-only jitted functions give `old_logp` (the rollout parameters, before the first update of a
+train batch) and `ref_logp` (the frozen reference policy) on the same packed rows.
+
+Under a mesh the rows of each micro-batch are split over ('data', 'fsdp') (`place_batch`); params and
+optimizer state keep their shardings (`models/sharding.py`) through the step (pinned out_shardings,
+donated inputs).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from cope_jax import logprobs as lp
+from cope_jax import losses
+from cope_jax.methods import POLICY_TERMS, LossConfig
+from cope_jax.packing import PackedBatch
+from models import sharding as shd
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with global-norm clipping; SPEC 2 defaults (constant lr)."""
+
+    learning_rate: float = 1e-6
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    clip_norm: float = 1.0
+
+
+@functools.lru_cache(maxsize=None)
+def make_optimizer(cfg: OptimizerConfig = OptimizerConfig()) -> optax.GradientTransformation:
+    """clip_by_global_norm then AdamW. Cached per config: optax transforms are stateless, and one
+    object per config keeps equal Learners' graphdefs equal, so they share compiled steps."""
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
+                       optax.adamw(cfg.learning_rate, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                                   weight_decay=cfg.weight_decay))
+
+
+# term -> (logp, entropy, batch, cfg) -> (loss, additive metrics). One row per loss term.
+TERM_FNS = {
+    "pg": lambda logp, ent, b, cfg: losses.clipped_policy_loss(
+        logp, b.old_logp, b.advantage, b.pg_weight, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+        dual_clip=cfg.dual_clip),
+    "kl": lambda logp, ent, b, cfg: losses.low_var_kl(logp, b.ref_logp, b.pg_weight),
+    "entropy": lambda logp, ent, b, cfg: losses.entropy_bonus(ent, b.pg_weight),
+    "af": lambda logp, ent, b, cfg: losses.weighted_nll(logp, b.target_weight, "af"),
+    "rft": lambda logp, ent, b, cfg: losses.weighted_nll(logp, b.target_weight, "rft"),
+    "echo": lambda logp, ent, b, cfg: losses.weighted_nll(logp, b.obs_weight, "echo"),
+}
+
+
+def model_logprobs(model, batch: PackedBatch, cfg: LossConfig, *, with_entropy: bool, mesh=None):
+    """One micro-batch [rows, L] -> (logp, entropy) [rows, L] in token coordinates."""
+    hidden = model.hidden_states(batch.tokens, batch.positions, batch.segment_ids)
+    return lp.token_logprobs(hidden, model.lm_head_weight(), batch.tokens, batch.segment_ids,
+                             temperature=cfg.temperature, chunk_tokens=cfg.logits_chunk_tokens,
+                             with_entropy=with_entropy, mesh=mesh)
+
+
+def micro_loss(model, batch: PackedBatch, coefs: dict, cfg: LossConfig, *, with_entropy: bool, mesh=None):
+    """Fused loss of one micro-batch [rows, L]: (sum_term coefs[term] * term, additive metrics).
+
+    Every term in `coefs` is evaluated (they are cheap [rows, L] elementwise sums next to the
+    forward pass); a term outside the method has coefficient 0 and zero weights. Only the entropy
+    needs extra work over the vocabulary, so it is a static switch.
+    """
+    logp, ent = model_logprobs(model, batch, cfg, with_entropy=with_entropy, mesh=mesh)
+    total = jnp.zeros((), jnp.float32)
+    metrics = {}
+    for term, coef in coefs.items():
+        value, m = TERM_FNS[term](logp, ent, batch, cfg)
+        total = total + coef * value
+        metrics.update(m)
+    metrics["loss"] = total
+    metrics["tokens"] = jnp.sum((batch.segment_ids > 0).astype(jnp.float32))
+    return total, metrics
+
+
+def loss_and_grads(model, batch: PackedBatch, coefs: dict, cfg: LossConfig, *, with_entropy: bool = True,
+                   mesh=None):
+    """batch [micro, rows, L] -> (loss, grads (nnx.State of the params), additive metric sums).
+
+    `coefs` maps term -> coefficient (`LossConfig.coefficients(terms)`). Traceable (call it under
+    jit); the step and the tests share it.
+    """
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def one(p, mb):
+        return micro_loss(nnx.merge(graphdef, p), mb, coefs, cfg, with_entropy=with_entropy, mesh=mesh)
+
+    grad_fn = jax.value_and_grad(one, has_aux=True)
+
+    def body(carry, mb):
+        grads, sums = carry
+        (_, metrics), g = grad_fn(params, mb)
+        grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
+        return (grads, jax.tree.map(jnp.add, sums, metrics)), None
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    _, metric_shapes = jax.eval_shape(one, params, batch.micro(0))
+    sums0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes)
+    (grads, sums), _ = jax.lax.scan(body, (zeros, sums0), batch)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    return sums["loss"], grads, sums
+
+
+def place_batch(batch: PackedBatch, mesh=None) -> PackedBatch:
+    """Batch [micro, rows, L] (or [rows, L]) -> device arrays, rows split over the batch axes.
+    Arrays already placed that way are not moved."""
+    def put(a):
+        if mesh is None:
+            return jnp.asarray(a)
+        axes = ("batch",) if np.ndim(a) == 2 else (None, "batch")
+        axes += (None,) * (np.ndim(a) - len(axes))
+        return jax.device_put(a, shd.named_sharding(axes, np.shape(a), mesh))
+    return jax.tree.map(put, batch)
+
+
+def _train_step(graphdef, state, batch, coefs, *, cfg, with_entropy, mesh):
+    model, optimizer = nnx.merge(graphdef, state)
+    _, grads, sums = loss_and_grads(model, batch, coefs, cfg, with_entropy=with_entropy, mesh=mesh)
+    metrics = losses.finalize_metrics(sums)
+    metrics["grad_norm"] = optax.tree.norm(grads)
+    optimizer.update(model, grads)
+    return nnx.state((model, optimizer)), metrics
+
+
+def _logprobs(graphdef, params, batch, *, cfg, mesh):
+    model = nnx.merge(graphdef, params)
+    return jax.lax.map(lambda mb: model_logprobs(model, mb, cfg, with_entropy=False, mesh=mesh)[0], batch)
+
+
+# Compiled functions are cached on their static inputs, so Learners of the same model, method and
+# optimizer config (e.g. a second run in one process) reuse the executables.
+@functools.lru_cache(maxsize=64)
+def _compiled_step(graphdef, cfg, with_entropy, mesh, sharding_leaves, sharding_treedef):
+    shardings = jax.tree.unflatten(sharding_treedef, sharding_leaves)
+    fn = functools.partial(_train_step, graphdef, cfg=cfg, with_entropy=with_entropy, mesh=mesh)
+    return jax.jit(fn, donate_argnums=0, out_shardings=(shardings, None))
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled_logprobs(graphdef, cfg, mesh):
+    return jax.jit(functools.partial(_logprobs, graphdef, cfg=cfg, mesh=mesh))
+
+
+def _committed(tree):
+    """The same arrays committed to their current shardings (no copy when they already are):
+    jit keys executables on committedness, so the policy and a freshly created reference model
+    would otherwise compile the same forward twice."""
+    return jax.device_put(tree, jax.tree.map(lambda a: a.sharding, tree))
+
+
+# metrics that belong to a term; others (loss, tokens, grad_norm) are always reported
+_TERM_METRICS = {"pg": ("pg_", "ppo_kl"), "kl": ("kl",), "entropy": ("entropy",), "af": ("af_",),
+                 "rft": ("rft_",), "echo": ("echo_",)}
+
+
+def _reported(name: str, terms) -> bool:
+    owners = [t for t, prefixes in _TERM_METRICS.items() if name.startswith(prefixes)]
+    return not owners or any(t in terms for t in owners)
+
+
+class Learner:
+    """The policy, its AdamW state and the compiled steps of one run.
+
+    `train(minibatches, ref_model)` runs one train batch: old/ref logprobs for every mini-batch first
+    (so `old_logp` is the rollout policy for all of them), then one optimizer step per mini-batch.
+    """
+
+    def __init__(self, model, cfg: LossConfig, opt_cfg: OptimizerConfig = OptimizerConfig(), *, mesh=None):
+        self.model = model
+        self.cfg = cfg
+        self.mesh = mesh
+        self.optimizer = nnx.Optimizer(model, make_optimizer(opt_cfg), wrt=nnx.Param)
+        self._graphdef, state = nnx.split((model, self.optimizer))
+        # committed now, so the step's outputs (pinned to the same shardings) hit the executable
+        # compiled for its first inputs
+        nnx.update((model, self.optimizer), _committed(state))
+        leaves, treedef = jax.tree.flatten(jax.tree.map(lambda a: a.sharding, state))
+        self._shardings_key = (tuple(leaves), treedef)
+
+    def _step_fn(self, with_entropy: bool):
+        return _compiled_step(self._graphdef, self.cfg.device_part(), with_entropy, self.mesh,
+                              *self._shardings_key)
+
+    # -- public API --------------------------------------------------------------------------------
+    def step(self, batch: PackedBatch, terms: Sequence[str]) -> dict[str, jax.Array]:
+        """One optimizer step on a placed or host batch [micro, rows, L]; returns its metrics."""
+        terms = tuple(terms)
+        unknown = set(terms) - set(TERM_FNS)
+        if unknown:
+            raise ValueError(f"unknown loss terms {sorted(unknown)}")
+        coefs = {t: jnp.float32(c) for t, c in self.cfg.coefficients(terms).items()}
+        state = nnx.state((self.model, self.optimizer))
+        step = self._step_fn("entropy" in terms and self.cfg.entropy_coef != 0)
+        new_state, metrics = step(state, place_batch(batch, self.mesh), coefs)
+        nnx.update((self.model, self.optimizer), new_state)
+        return {k: v for k, v in metrics.items() if _reported(k, terms)}
+
+    def logprobs(self, batch: PackedBatch, model=None) -> jax.Array:
+        """Forward-only logp [micro, rows, L] of `model` (default: the policy) on the packed rows."""
+        model = self.model if model is None else model
+        fn = _compiled_logprobs(nnx.graphdef(model), self.cfg.device_part(), self.mesh)
+        return fn(_committed(nnx.state(model, nnx.Param)), place_batch(batch, self.mesh))
+
+    def fill_logprobs(self, batch: PackedBatch, terms: Sequence[str], ref_model=None) -> tuple[PackedBatch, dict]:
+        """Adds old_logp (policy terms) and ref_logp ('kl' with kl_coef != 0) to a host batch.
+
+        Also reports the sampler/trainer drift |sampler_logp - old_logp| over sampled tokens (SPEC 1).
+        """
+        metrics = {}
+        if set(terms) & set(POLICY_TERMS):
+            old = np.asarray(self.logprobs(batch))
+            batch = batch.replace(old_logp=old)
+            sampled = np.asarray(batch.pg_weight) > 0
+            drift = np.abs(np.asarray(batch.sampler_logp) - old)[sampled]
+            metrics["sampler_drift_max"] = float(drift.max()) if drift.size else 0.0
+            metrics["sampler_drift_mean"] = float(drift.mean()) if drift.size else 0.0
+        if "kl" in terms and self.cfg.kl_coef != 0:
+            if ref_model is None:
+                raise ValueError("the 'kl' term needs a reference model")
+            batch = batch.replace(ref_logp=np.asarray(self.logprobs(batch, ref_model)))
+        return batch, metrics
+
+    def train(self, minibatches, ref_model=None) -> list[dict]:
+        """One train batch: `minibatches` are `cope_jax.batching.MiniBatch`es, in order."""
+        filled = [self.fill_logprobs(mb.batch, mb.terms, ref_model) for mb in minibatches]
+        out = []
+        for mb, (batch, drift) in zip(minibatches, filled):
+            metrics = {k: float(v) for k, v in self.step(batch, mb.terms).items()}
+            out.append({**metrics, **drift})
+        return out

@@ -1,0 +1,150 @@
+"""Packing, truncation, the data records and mini-batch assembly (host side, numpy only)."""
+import numpy as np
+import pytest
+
+from cope_jax import batching, methods, packing
+from cope_jax.advantages import forecast_weights
+from cope_jax.trajectory import ForecastExample, Trajectory
+
+RNG = np.random.RandomState(0)
+
+
+def _segment(n, index):
+    return packing.Segment(tokens=RNG.randint(1, 100, n), index=index, action_mask=RNG.rand(n) < 0.5,
+                           old_logp=RNG.randn(n), advantage=RNG.randn(n), pg_weight=RNG.rand(n))
+
+
+def test_first_fit_decreasing():
+    assert packing.first_fit_decreasing([5, 4, 3, 3, 1], 8) == [[0, 2], [1, 3, 4]]
+    assert packing.first_fit_decreasing([], 8) == []
+    with pytest.raises(ValueError, match="longer than the row length"):
+        packing.first_fit_decreasing([3, 9], 8)
+
+
+def test_pack_round_trips_every_segment():
+    segs = [_segment(n, i) for i, n in enumerate([7, 3, 9, 2, 5, 6])]
+    batch, stats = packing.pack(segs, 10, rows_multiple=4)
+    assert batch.shape == (4, 10) and stats.rows == 4 and stats.tokens == 32
+    assert stats.padding_fraction == pytest.approx(1 - 32 / 40)
+    seen = set()
+    for r in range(4):
+        for s in set(batch.segment_ids[r]) - {0}:
+            cols = np.where(batch.segment_ids[r] == s)[0]
+            assert np.all(np.diff(cols) == 1)  # contiguous
+            i = int(batch.traj_index[r, cols[0]])
+            assert np.all(batch.traj_index[r, cols] == i)
+            seg = segs[i]
+            np.testing.assert_array_equal(batch.positions[r, cols], np.arange(len(seg)))
+            for name in ("tokens", "action_mask", "old_logp", "advantage", "pg_weight"):
+                np.testing.assert_array_equal(getattr(batch, name)[r, cols], getattr(seg, name))
+            seen.add(i)
+    assert seen == set(range(6))
+    pad = batch.segment_ids == 0
+    assert np.all(batch.traj_index[pad] == -1) and np.all(batch.pg_weight[pad] == 0)
+
+
+def test_truncation_is_left_and_recorded():
+    seg = _segment(12, 0)
+    cut = packing.truncate_left(seg, 8)
+    assert cut.truncated == 4 and len(cut) == 8
+    np.testing.assert_array_equal(cut.tokens, seg.tokens[4:])
+    np.testing.assert_array_equal(cut.old_logp, seg.old_logp[4:])
+    assert packing.truncate_left(seg, 12) is seg
+    _, stats = packing.pack([cut, _segment(3, 1)], 8)
+    assert stats.truncated_sequences == 1 and stats.truncated_tokens == 4
+    with pytest.raises(ValueError, match="truncate_left"):
+        packing.pack([seg], 8)
+
+
+def test_split_and_pad_micro():
+    batch, _ = packing.pack([_segment(n, i) for i, n in enumerate([6, 6, 6])], 8, rows_multiple=2)
+    micro = packing.split_micro(batch, 2)
+    assert micro.shape == (2, 2, 8) and micro.num_micro == 2
+    np.testing.assert_array_equal(micro.micro(1).tokens, batch.tokens[2:])
+    padded = packing.pad_micro(micro, 3)
+    assert padded.shape == (3, 2, 8)
+    assert np.all(padded.segment_ids[2] == 0) and np.all(padded.traj_index[2] == -1)
+    with pytest.raises(ValueError, match="rows_multiple"):
+        packing.split_micro(batch, 3)
+
+
+def test_records_validate_their_arrays():
+    with pytest.raises(ValueError, match="shape"):
+        packing.Segment(tokens=[1, 2, 3], index=0, action_mask=[1, 0])
+    with pytest.raises(ValueError, match="both an action and an observation"):
+        Trajectory(tokens=[1, 2], action_mask=[1, 0], obs_mask=[1, 0])
+    with pytest.raises(ValueError, match="span"):
+        Trajectory(tokens=[1, 2], action_mask=[0, 1], obs_mask=[0, 0], action_spans=[[1, 3]])
+    with pytest.raises(ValueError, match="weight"):
+        ForecastExample(tokens=[1, 2], target_mask=[0, 1], weight=-1.0, group_id=0, source=0, step=0)
+    t = Trajectory(tokens=[1, 2, 3], action_mask=[0, 1, 1], obs_mask=[1, 0, 0], action_spans=[[1, 3]])
+    assert t.tokens.dtype == np.int32 and t.action_mask.dtype == bool and t.num_steps == 1
+
+
+def _trajectories(successes, lengths):
+    out = []
+    for i, (g, y) in enumerate(successes):
+        n = lengths[i]
+        kind = RNG.randint(0, 3, n)
+        kind[0] = 0
+        out.append(Trajectory(tokens=RNG.randint(1, 50, n), action_mask=kind == 1, obs_mask=kind == 2,
+                              success=y, group_id=g))
+    return out
+
+
+def test_minibatch_weights_are_normalized_over_the_whole_minibatch():
+    successes = [(0, 1), (0, 0), (1, 0), (1, 0), (2, 1), (2, 1)]
+    trajs = _trajectories(successes, [9, 14, 7, 11, 20, 6])
+    w = forecast_weights([y for _, y in successes], [g for g, _ in successes])
+    exs = [ForecastExample(tokens=RNG.randint(1, 50, 8), target_mask=[0] * 5 + [1] * 3, weight=w[i],
+                           group_id=g, source=i, step=0) for i, (g, y) in enumerate(successes) if y]
+    cfg = methods.LossConfig()
+    mbs, stats = batching.build_minibatches(trajs, exs, methods.get_method("cope"), cfg,
+                                            groups_per_minibatch=3, row_len=16, rows_per_micro=2)
+    assert len(mbs) == 1 and mbs[0].terms == ("pg", "kl", "entropy", "af")
+    b = mbs[0].batch
+    assert b.tokens.ndim == 3 and b.shape[1] == 2
+    # the 20-token trajectory was cut to 16 from the left
+    assert mbs[0].stats.truncated_tokens == 4 and stats["truncated_tokens"] == 4
+    # seq-mean-token-mean: each trajectory's weights sum to 1/G, all of them to 1
+    assert b.pg_weight.sum() == pytest.approx(1.0, rel=1e-6)
+    for i in range(6):
+        assert b.pg_weight[b.traj_index == i].sum() == pytest.approx(1 / 6, rel=1e-5)
+    # af: sum over examples of w_ex / (groups with a success = 2)
+    assert b.target_weight.sum() == pytest.approx(sum(e.weight for e in exs) / 2, rel=1e-6)
+    # advantage only on action tokens; the first token of a segment carries no loss
+    assert np.all(b.advantage[~b.action_mask] == 0)
+    starts = (b.positions == 0) & (b.segment_ids > 0)
+    assert np.all(b.pg_weight[starts] == 0) and np.all(b.target_weight[starts] == 0)
+
+
+def test_sequential_af_mode_and_rft_selection():
+    successes = [(0, 1), (0, 0), (1, 1), (1, 1)]
+    trajs = _trajectories(successes, [10, 10, 10, 10])
+    exs = [ForecastExample(tokens=RNG.randint(1, 50, 6), target_mask=[0, 0, 0, 1, 1, 1], weight=1.0,
+                           group_id=0, source=0, step=0)]
+    seq = methods.LossConfig(af_mode="sequential")
+    mbs, _ = batching.build_minibatches(trajs, exs, methods.get_method("cope"), seq,
+                                        groups_per_minibatch=1, row_len=16, rows_per_micro=1)
+    assert [m.terms for m in mbs] == [("pg", "kl", "entropy")] * 2 + [("af",)]
+    assert mbs[0].num_examples == 0 and mbs[2].num_examples == 1 and mbs[2].num_trajectories == 0
+    assert mbs[0].batch.target_weight.sum() == 0
+    rft, _ = batching.build_minibatches(trajs, [], methods.get_method("rft"), methods.LossConfig(),
+                                        groups_per_minibatch=2, row_len=16, rows_per_micro=1)
+    assert rft[0].num_trajectories == 3 and rft[0].terms == ("rft",)
+    assert rft[0].batch.pg_weight.sum() == 0 and rft[0].batch.target_weight.sum() == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="no forecasting term"):
+        batching.build_minibatches(trajs, exs, methods.get_method("grpo"), seq, groups_per_minibatch=1,
+                                   row_len=16, rows_per_micro=1)
+
+
+def test_method_table():
+    assert set(methods.METHODS) == {"grpo", "cope", "cope_k0", "sft_success", "echo", "rft", "progpo",
+                                    "cope+progpo"}
+    assert methods.get_method("cope_k0").horizon == 0 and methods.get_method("cope").horizon == 2
+    assert methods.get_method("cope", horizon=4).horizon == 4
+    assert methods.get_method("sft_success").forecast == "sft"
+    with pytest.raises(ValueError, match="unknown method"):
+        methods.get_method("ppo")
+    with pytest.raises(ValueError, match="advantage"):
+        methods.MethodSpec("bad", ("kl",), advantage="grpo")

@@ -1,0 +1,361 @@
+"""The fused step against an independent full-logits implementation written here, for every method;
+invariance to packing and micro-batching; both af modes; the sharded step on 8 fake devices."""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import models
+from cope_jax import batching, methods, train_step
+from cope_jax.advantages import forecast_weights
+from cope_jax.packing import pad_micro
+from cope_jax.trajectory import ForecastExample, Trajectory
+
+CFG = models.QwenConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4,
+                        tie_word_embeddings=False, qkv_bias=False, qk_norm=True)
+# large coefficients so every term visibly moves loss and gradients; small chunks so the logits
+# path really runs several chunks (2 rows x 8 positions over rows of 64)
+LOSS = methods.LossConfig(temperature=0.8, kl_coef=0.05, entropy_coef=0.02, af_coef=0.3, echo_coef=0.2,
+                          rft_coef=1.0, logits_chunk_tokens=16)
+ROW_LEN, ROWS, MICRO = 64, 2, 8
+# reference term columns
+PG, KL, ENT, AF, RFT, ECHO = range(6)
+SUCCESS = {0: [1, 0, 0], 1: [0, 0, 0], 2: [1, 1, 0], 3: [1, 1, 1]}
+
+
+def _trajectory(rng, group, success):
+    tokens, action, obs, observations = list(rng.randint(1, 64, 4)), [0] * 4, [0] * 4, []
+    while len(tokens) < 22 + rng.randint(0, 14):
+        n_obs, n_act = rng.randint(3, 7), rng.randint(2, 6)
+        tokens += list(rng.randint(1, 64, n_obs + n_act))
+        obs += [1] * n_obs + [0] * n_act
+        action += [0] * n_obs + [1] * n_act
+        observations.append(str(rng.randint(0, 3)))
+    return Trajectory(tokens=tokens, action_mask=action, obs_mask=obs, success=success, group_id=group,
+                      observations=observations, action_spans=[[0, 0]] * (len(observations) - 1))
+
+
+def _dataset():
+    rng = np.random.RandomState(0)
+    trajs = [_trajectory(rng, g, y) for g, ys in SUCCESS.items() for y in ys]
+    w = forecast_weights([t.success for t in trajs], [t.group_id for t in trajs])
+    exs = []
+    for i, t in enumerate(trajs):
+        if t.success:
+            cut, n_target = rng.randint(8, 20), rng.randint(3, 6)
+            tokens = np.concatenate([t.tokens[:cut], rng.randint(1, 64, 3 + n_target)])
+            mask = np.r_[np.zeros(cut + 3), np.ones(n_target)]
+            exs.append(ForecastExample(tokens=tokens, target_mask=mask, weight=w[i], group_id=t.group_id,
+                                       source=i, step=0))
+    return trajs, exs
+
+
+TRAJS, EXAMPLES = _dataset()
+SEQS = [t.tokens for t in TRAJS] + [e.tokens for e in EXAMPLES]
+T_MAX = max(len(s) for s in SEQS)
+
+
+def _padded(arrays, dtype):
+    out = np.zeros((len(arrays), T_MAX), dtype)
+    for i, a in enumerate(arrays):
+        out[i, :len(a)] = a
+    return out
+
+
+TOKENS = _padded(SEQS, np.int32)
+VALID = _padded([np.ones(len(s)) for s in SEQS], np.int32)
+# loss tokens of each column (position 0 has no prediction)
+_no_first = lambda m: np.where(np.arange(T_MAX) > 0, m, 0).astype(bool)
+ACTION = _no_first(_padded([t.action_mask for t in TRAJS] + [np.zeros(len(e)) for e in EXAMPLES], bool))
+OBS = _no_first(_padded([t.obs_mask for t in TRAJS] + [np.zeros(len(e)) for e in EXAMPLES], bool))
+TARGET = _no_first(_padded([np.zeros(len(t)) for t in TRAJS] + [e.target_mask for e in EXAMPLES], bool))
+
+
+def reference_token_sums(model, adv, old, ref):
+    """[S, 6]: per sequence, the token sums of each term's per-token loss, from full logits over
+    right-padded rows (no packing, no chunking)."""
+    z = model(jnp.asarray(TOKENS), segment_ids=jnp.asarray(VALID)) / LOSS.temperature
+    logp_all = jax.nn.log_softmax(z, axis=-1)
+    pred = jnp.take_along_axis(logp_all[:, :-1], jnp.asarray(TOKENS)[:, 1:, None], axis=-1)[..., 0]
+    lp = jnp.pad(pred, ((0, 0), (1, 0)))  # lp[:, t] = log p(token t | tokens < t)
+    ent = jnp.pad(-jnp.sum(jnp.exp(logp_all) * logp_all, -1)[:, :-1], ((0, 0), (1, 0)))
+    ratio = jnp.exp(lp - old)
+    a = adv[:, None]
+    pg = jnp.maximum(-a * ratio, -a * jnp.clip(ratio, 1 - LOSS.clip_low, 1 + LOSS.clip_high))
+    k = ref - lp
+    kl = jnp.clip(jnp.exp(k) - k - 1, -10, 10)
+    cols = [(pg, ACTION), (kl, ACTION), (ent, ACTION), (-lp, TARGET), (-lp, ACTION), (-lp, OBS)]
+    return jnp.stack([jnp.sum(jnp.where(m, v, 0.0), axis=1) for v, m in cols], axis=1), lp
+
+
+GRAPHDEF, BASE_STATE = nnx.split(models.create_model(CFG, seed=0))
+
+
+def fresh_model():
+    """A new model with the base weights (own buffers: Learners donate theirs)."""
+    return nnx.merge(GRAPHDEF, jax.tree.map(jnp.copy, BASE_STATE))
+
+
+@jax.jit
+def reference_loss_and_grads(params, coef, adv, old, ref):
+    def loss(p):
+        sums, lp = reference_token_sums(nnx.merge(GRAPHDEF, p), adv, old, ref)
+        return jnp.sum(coef * sums), lp
+    (value, lp), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    return value, grads, lp
+
+
+def reference_coefficients(spec, cfg, traj_ids, example_ids, group_traj_ids=None):
+    """[S, 6] weights of the token sums: SPEC 2-4 written out literally for one mini-batch whose
+    trajectory rows are `traj_ids`; the AF normalizer counts the groups of `group_traj_ids`
+    (default: traj_ids)."""
+    coef = np.zeros((len(SEQS), 6))
+    n_act = {i: ACTION[i].sum() for i in traj_ids}
+    G = len(traj_ids)
+    per_mode = {"token-mean": lambda i: 1 / sum(n_act.values()),
+                "seq-mean-token-mean": lambda i: 1 / (G * n_act[i]),
+                "seq-mean-token-sum": lambda i: 1 / G,
+                "seq-mean-token-sum-norm": lambda i: 1 / (G * cfg.norm_length)}[cfg.aggregation]
+    terms = spec.terms
+    for i in traj_ids:
+        a = per_mode(i)
+        coef[i, PG] = a if "pg" in terms else 0
+        coef[i, KL] = cfg.kl_coef * a if "kl" in terms else 0
+        coef[i, ENT] = -cfg.entropy_coef * a if "entropy" in terms else 0
+        coef[i, RFT] = cfg.rft_coef * a if "rft" in terms else 0
+        coef[i, ECHO] = cfg.echo_coef / sum(OBS[j].sum() for j in traj_ids) if "echo" in terms else 0
+    group_traj_ids = traj_ids if group_traj_ids is None else group_traj_ids
+    groups = {TRAJS[i].group_id for i in group_traj_ids}
+    success_groups = {TRAJS[i].group_id for i in group_traj_ids if TRAJS[i].success}
+    for j in example_ids:
+        e, s = EXAMPLES[j], len(TRAJS) + j
+        if cfg.af_normalization == "paper_exact":
+            coef[s, AF] = cfg.af_coef * e.weight / len(groups)
+        else:
+            coef[s, AF] = cfg.af_coef * e.weight / (TARGET[s].sum() * len(success_groups))
+    return coef
+
+
+def _params(model):
+    return nnx.state(model, nnx.Param)
+
+
+@functools.partial(jax.jit, static_argnames=("with_entropy",))
+def _packed_loss_and_grads(params, batch, coefs, with_entropy):
+    return train_step.loss_and_grads(nnx.merge(GRAPHDEF, params), batch, coefs, LOSS.device_part(),
+                                     with_entropy=with_entropy)
+
+
+def packed_loss_and_grads(params, batch, terms, cfg=LOSS):
+    coefs = {t: jnp.float32(c) for t, c in cfg.coefficients(terms).items()}
+    return _packed_loss_and_grads(params, batch, coefs, "entropy" in terms)
+
+
+def _fill(batch, name, per_sequence, index_to_seq):
+    """Writes per-sequence token values into the packed rows via traj_index / positions."""
+    out = np.array(getattr(batch, name))
+    idx, pos = np.asarray(batch.traj_index), np.asarray(batch.positions)
+    for k in np.unique(idx[idx >= 0]):
+        sel = idx == k
+        out[sel] = per_sequence[index_to_seq[k]][pos[sel]]
+    return batch.replace(**{name: out})
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = fresh_model()
+    params = _params(model)
+    zeros = jnp.zeros(TOKENS.shape, jnp.float32)
+    _, _, lp = reference_loss_and_grads(params, jnp.zeros((len(SEQS), 6)), jnp.zeros(len(SEQS)), zeros, zeros)
+    rng = np.random.RandomState(1)
+    # old/ref policies near the current one: some ratios leave [0.8, 1.2] on both sides
+    old = np.asarray(lp) + 0.25 * rng.randn(*TOKENS.shape).astype(np.float32)
+    ref = np.asarray(lp) + 0.3 * rng.randn(*TOKENS.shape).astype(np.float32)
+    return model, params, old, ref
+
+
+def _packed(spec, cfg, old, ref, trajs=TRAJS, examples=EXAMPLES, row_len=ROW_LEN, rows=ROWS, micro=MICRO,
+            groups_per_minibatch=len(SUCCESS)):
+    exs = list(examples) if spec.forecast else []
+    mbs, _ = batching.build_minibatches(trajs, exs, spec, cfg, groups_per_minibatch=groups_per_minibatch,
+                                        row_len=row_len, rows_per_micro=rows)
+    out = []
+    for mb in mbs:
+        members = set(mb.groups)
+        kept = [TRAJS.index(t) for t in trajs
+                if t.group_id in members and (spec.trajectories == "all" or t.success)]
+        ex_ids = [EXAMPLES.index(e) for e in exs if e.group_id in members] if "af" in mb.terms else []
+        if mb.terms == ("af",):
+            kept, ex_ids = [], [EXAMPLES.index(e) for e in exs]
+        index_to_seq = kept + [len(TRAJS) + j for j in ex_ids]
+        b = mb.batch if micro is None else pad_micro(mb.batch, micro)
+        b = _fill(_fill(b, "old_logp", old, index_to_seq), "ref_logp", ref, index_to_seq)
+        out.append((b, mb.terms, kept, ex_ids))
+    return out
+
+
+def _assert_grads_close(got, want, rtol=1e-5):
+    flat_got, flat_want = jax.tree.leaves(got), jax.tree.leaves(want)
+    assert len(flat_got) == len(flat_want)
+    scale = max(float(jnp.max(jnp.abs(w))) for w in flat_want)
+    assert scale > 1e-3
+    for g, w in zip(flat_got, flat_want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=1e-6 * scale)
+
+
+CASES = [(m, {}) for m in methods.METHODS] + [
+    ("grpo", {"aggregation": "token-mean"}), ("grpo", {"aggregation": "seq-mean-token-sum"}),
+    ("grpo", {"aggregation": "seq-mean-token-sum-norm", "norm_length": 48}),
+    ("cope", {"af_normalization": "paper_exact"})]
+
+
+@pytest.mark.parametrize("name,overrides", CASES, ids=[f"{m}-{'-'.join(map(str, o.values())) or 'default'}"
+                                                      for m, o in CASES])
+def test_step_equals_full_logits_reference(setup, name, overrides):
+    model, params, old, ref = setup
+    spec = methods.get_method(name)
+    cfg = dataclasses.replace(LOSS, **overrides)
+    [(batch, terms, kept, ex_ids)] = _packed(spec, cfg, old, ref)
+    adv, _ = batching.compute_advantages(spec, TRAJS, cfg)
+    adv_seq = np.zeros(len(SEQS), np.float32)
+    adv_seq[:len(TRAJS)] = adv
+    coef = reference_coefficients(spec, cfg, kept, ex_ids)
+    want_loss, want_grads, _ = reference_loss_and_grads(params, jnp.asarray(coef, jnp.float32), adv_seq, old, ref)
+    loss, grads, sums = packed_loss_and_grads(params, batch, terms, cfg)
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+    _assert_grads_close(grads, want_grads)
+    for term, col in (("pg", PG), ("af", AF), ("rft", RFT), ("echo", ECHO)):
+        if term in terms:  # each term really contributes
+            assert np.abs(coef[:, col]).sum() > 0 and f"{term}_loss" in sums
+    if "pg" in terms:
+        assert 0 < float(sums["pg_clipped"]) < float(sums["pg_tokens"])
+
+
+def _regroup_rows(batch, seed):
+    """The same packed rows dealt into micro-batches in another order."""
+    M, R, L = batch.shape
+    perm = np.random.RandomState(seed).permutation(M * R)
+    return jax.tree.map(lambda a: np.asarray(a).reshape(M * R, L)[perm].reshape(M, R, L), batch)
+
+
+def test_packing_and_micro_batching_invariance(setup):
+    _, params, old, ref = setup
+    spec = methods.get_method("cope")
+    base, terms, _, _ = _packed(spec, LOSS, old, ref)[0]
+    reordered = _packed(spec, LOSS, old, ref, trajs=TRAJS[::-1], examples=EXAMPLES[::-1])[0][0]
+    longer = _packed(spec, LOSS, old, ref, row_len=2 * ROW_LEN, rows=1, micro=None)[0][0]
+    variants = [reordered, _regroup_rows(base, 0), longer]
+    assert not np.array_equal(reordered.tokens, base.tokens)
+    # fewer, longer rows, one per micro-batch: every micro-batch holds a different token set
+    assert longer.shape[1:] == (1, 2 * ROW_LEN) and longer.num_micro * 2 * ROW_LEN < base.tokens.size
+    want_loss, want_grads, _ = packed_loss_and_grads(params, base, terms)
+    for batch in variants:
+        loss, grads, _ = packed_loss_and_grads(params, batch, terms)
+        np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+        _assert_grads_close(grads, want_grads)
+
+
+# big steps, and eps = 1 makes the first AdamW update ~ lr * g / (|g| + 1): updated parameters
+# then reflect the gradients elementwise (not just their signs)
+OPT = train_step.OptimizerConfig(learning_rate=0.5, eps=1.0)
+
+
+def _padded_minibatches(spec, cfg):
+    """Mini-batches of two groups, padded to MICRO micro-batches (one shape: shared executables)."""
+    mbs, _ = batching.build_minibatches(TRAJS, EXAMPLES, spec, cfg, groups_per_minibatch=2,
+                                        row_len=ROW_LEN, rows_per_micro=ROWS)
+    for mb in mbs:
+        mb.batch = pad_micro(mb.batch, MICRO)
+    return mbs
+
+
+def test_af_modes_joint_and_sequential(setup):
+    _, params0, _, _ = setup
+    spec = methods.get_method("cope")
+    ref_model = fresh_model()
+    # joint: one step per mini-batch (2 groups each), GRPO and AF in the same loss
+    joint_model = fresh_model()
+    learner = train_step.Learner(joint_model, LOSS, OPT)
+    mbs = _padded_minibatches(spec, LOSS)
+    metrics = learner.train(mbs, ref_model)
+    assert len(metrics) == 2 and int(learner.optimizer.step[...]) == 2
+    assert all(m["af_loss"] > 0 and m["pg_tokens"] > 0 for m in metrics)
+    # first step's loss = the reference over groups 0 and 1 at the initial parameters (old = current)
+    logp = np.asarray(learner.logprobs(mbs[0].batch, ref_model))
+    _, _, lp0 = reference_loss_and_grads(params0, jnp.zeros((len(SEQS), 6)), jnp.zeros(len(SEQS)),
+                                         jnp.zeros(TOKENS.shape), jnp.zeros(TOKENS.shape))
+    lp0 = np.asarray(lp0)
+    kept = [i for i, t in enumerate(TRAJS) if t.group_id in (0, 1)]
+    ex_ids = [j for j, e in enumerate(EXAMPLES) if e.group_id in (0, 1)]
+    adv, _ = batching.compute_advantages(spec, TRAJS, LOSS)
+    adv_seq = np.r_[adv, np.zeros(len(EXAMPLES))].astype(np.float32)
+    coef = reference_coefficients(spec, LOSS, kept, ex_ids)
+    want, _, _ = reference_loss_and_grads(params0, jnp.asarray(coef, jnp.float32), adv_seq, lp0, lp0)
+    np.testing.assert_allclose(metrics[0]["loss"], float(want), rtol=1e-5)
+    # the packed forward-only logp equals the reference logp on every real token
+    packed = _fill(mbs[0].batch.replace(old_logp=np.zeros_like(logp)), "old_logp", lp0,
+                   kept + [len(TRAJS) + j for j in ex_ids])
+    real = np.asarray(packed.segment_ids) > 0
+    np.testing.assert_allclose(logp[real], np.asarray(packed.old_logp)[real], atol=2e-5)
+
+    # sequential: the GRPO mini-batches, then one AF step on every example with the same AdamW state
+    seq_cfg = dataclasses.replace(LOSS, af_mode="sequential")
+    seq_model = fresh_model()
+    learner = train_step.Learner(seq_model, seq_cfg, OPT)
+    mbs = _padded_minibatches(spec, seq_cfg)
+    assert [m.terms for m in mbs] == [("pg", "kl", "entropy")] * 2 + [("af",)]
+    filled = [learner.fill_logprobs(mb.batch, mb.terms, ref_model)[0] for mb in mbs]
+    for batch, mb in zip(filled[:2], mbs[:2]):
+        m = learner.step(batch, mb.terms)
+        assert "af_loss" not in m
+    params2 = jax.tree.map(lambda a: jnp.asarray(np.asarray(a)), _params(seq_model))  # uncommitted, as params0
+    opt_state2 = jax.tree.map(np.array, nnx.as_pure(learner.optimizer.opt_state))
+    m = learner.step(filled[2], ("af",))
+    assert int(learner.optimizer.step[...]) == 3 and set(m) >= {"af_loss", "grad_norm"} and "pg_loss" not in m
+    # the AF step = AdamW (continuing the moments) on lambda * L_AF over all groups at params2
+    coef = reference_coefficients(spec, seq_cfg, [], list(range(len(EXAMPLES))), range(len(TRAJS)))
+    zeros = jnp.zeros(TOKENS.shape)
+    af_loss, af_grads, _ = reference_loss_and_grads(params2, jnp.asarray(coef, jnp.float32),
+                                                    jnp.zeros(len(SEQS)), zeros, zeros)
+    np.testing.assert_allclose(float(m["loss"]), float(af_loss), rtol=1e-5)
+    tx = train_step.make_optimizer(OPT)
+    updates, _ = tx.update(nnx.as_pure(af_grads), opt_state2, nnx.as_pure(params2))
+    want = optax.apply_updates(nnx.as_pure(params2), updates)
+    moved = 0.0
+    for got, w, before in zip(jax.tree.leaves(nnx.as_pure(_params(seq_model))), jax.tree.leaves(want),
+                              jax.tree.leaves(nnx.as_pure(params2))):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(w), atol=2e-5, rtol=0)
+        moved = max(moved, float(np.abs(np.asarray(got) - before).max()))
+    assert moved > 1e-3
+
+
+def test_sharded_step_equals_single_device(setup):
+    _, _, old, ref = setup
+    spec = methods.get_method("cope")
+    [(batch, terms, _, _)] = _packed(spec, LOSS, old, ref)
+    mesh = models.make_mesh((1, 2, 4))
+    single = fresh_model()
+    sharded = models.create_model(CFG, seed=0, mesh=mesh)
+    assert sharded.lm_head[...].sharding.spec == jax.sharding.PartitionSpec("tp", "fsdp")
+    before = [np.asarray(a) for a in jax.tree.leaves(_params(single))]
+    with jax.set_mesh(mesh):
+        placed = train_step.place_batch(batch, mesh)
+        assert placed.tokens.sharding.spec[1] == "fsdp"  # rows split over the batch axes
+        m_sharded = train_step.Learner(sharded, LOSS, OPT, mesh=mesh).step(placed, terms)
+    m_single = train_step.Learner(single, LOSS, OPT).step(batch, terms)
+    for key in ("loss", "pg_loss", "af_loss", "kl", "entropy", "grad_norm"):
+        np.testing.assert_allclose(float(m_sharded[key]), float(m_single[key]), rtol=1e-5)
+    assert sharded.layers.q_proj[...].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tp", None)
+    deltas = []
+    for a, b, p0 in zip(jax.tree.leaves(_params(sharded)), jax.tree.leaves(_params(single)), before):
+        deltas.append((np.asarray(a) - p0, np.asarray(b) - p0))
+    scale = max(np.abs(d).max() for _, d in deltas)
+    assert scale > 1e-2
+    for got, want in deltas:
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * scale)
