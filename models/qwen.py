@@ -112,13 +112,14 @@ class KVCache:
     def zeros(cls, cfg: QwenConfig, batch: int, max_len: int, dtype=None, mesh=None) -> "KVCache":
         dtype = jnp.dtype(dtype or cfg.dtype)
         shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-        k = jnp.zeros(shape, dtype)
+        # k and v are distinct buffers so a jitted update can donate both
+        k, v = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
         lengths = jnp.zeros((batch,), jnp.int32)
         if mesh is not None:
             s = shd.named_sharding(CACHE_AXES, shape, mesh)
-            k = jax.device_put(k, s)
+            k, v = jax.device_put(k, s), jax.device_put(v, s)
             lengths = jax.device_put(lengths, shd.named_sharding(("batch",), (batch,), mesh))
-        return cls(k=k, v=k, lengths=lengths)
+        return cls(k=k, v=v, lengths=lengths)
 
     @property
     def max_len(self) -> int:
@@ -161,43 +162,57 @@ class Qwen(nnx.Module):
         x, _ = self._run_layers(tokens, positions, mask, cache=None)
         return x
 
-    def decode(self, tokens, num_new, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    def decode(self, tokens, num_new, cache: KVCache, layer_weights=None) -> tuple[jax.Array, KVCache]:
         """Appends tokens[b, :num_new[b]] to row b of `cache`; returns hidden [B, T, E], new cache.
 
         Positions are the cache slots (lengths[b] + t). Entries t >= num_new[b] are padding: their
         outputs are garbage and they are not written. Tokens that would land past the cache end are
         dropped; callers must check `lengths + num_new <= max_len` (the sampler finishes such a row
-        with `context_full`).
+        with `context_full`). `layer_weights` (from `layer_weights()`, computed once outside a decode
+        loop) runs the layers unrolled on per-layer arrays instead of slicing the stacked weights at
+        every step, which XLA:CPU does by copying them.
+
+        Each layer writes its new K/V into the cache and then attends over the cache: the next
+        layer's write depends on this layer's reads, so XLA updates the cache in place (a write
+        after all layers could be ordered before the last layer's reads and forces a copy).
         """
         tokens = jnp.asarray(tokens)
-        B, T = tokens.shape
+        T = tokens.shape[1]
         num_new = jnp.asarray(num_new, jnp.int32)
         t = jnp.arange(T)
         positions = cache.lengths[:, None] + t[None, :]
-        old = jnp.arange(cache.max_len)[None, None, :] < cache.lengths[:, None, None]  # [B,1,S]
-        mask = jnp.concatenate(
-            [jnp.broadcast_to(old, (B, T, cache.max_len)),
-             jnp.broadcast_to(t[:, None] >= t[None, :], (B, T, T))], axis=-1)
-        x, (k_new, v_new) = self._run_layers(tokens, positions, mask, cache=cache)
-        # write the new K/V after all layers: layers only read the cache, so it is updated once
         slots = jnp.where(t[None, :] < num_new[:, None], positions, cache.max_len)  # OOB -> dropped
-        rows = jnp.arange(B)[:, None]
-        k = cache.k.at[:, rows, slots].set(k_new.astype(cache.k.dtype), mode="drop")
-        v = cache.v.at[:, rows, slots].set(v_new.astype(cache.v.dtype), mode="drop")
+        mask = jnp.arange(cache.max_len)[None, None, :] <= positions[:, :, None]  # [B, T, S]
+        x, (k, v) = self._run_layers(tokens, positions, mask, cache=(cache.k, cache.v, slots),
+                                     layer_weights=layer_weights)
         lengths = jnp.minimum(cache.lengths + num_new, cache.max_len)
         return x, KVCache(k=k, v=v, lengths=lengths)
 
-    def unembed(self, hidden) -> jax.Array:
-        """hidden [..., E] -> float32 logits [..., V]."""
+    def unembed(self, hidden, head_t=None) -> jax.Array:
+        """hidden [..., E] -> float32 logits [..., V].
+
+        head_t: the head transposed to [E, V], made once outside a decode loop: XLA:CPU multiplies
+        small batches by it faster than by the stored [V, E].
+        """
+        if head_t is not None:
+            return jnp.einsum("...e,ev->...v", hidden, head_t.astype(hidden.dtype),
+                              preferred_element_type=jnp.float32)
         return jnp.einsum("...e,ve->...v", hidden, self.lm_head_weight().astype(hidden.dtype),
                           preferred_element_type=jnp.float32)
+
+    def layer_weights(self) -> list[dict[str, jax.Array]]:
+        """One dict of weight arrays per decoder layer (slices of the stacked weights)."""
+        params = self.layers.arrays()
+        return [{k: v[i] for k, v in params.items()} for i in range(self.cfg.num_layers)]
 
     def lm_head_weight(self) -> jax.Array:
         """[V, E]: the untied head, or the embedding when tied."""
         return (self.embed if self.lm_head is None else self.lm_head)[...]
 
     # -- internals ---------------------------------------------------------------------------------
-    def _run_layers(self, tokens, positions, mask, cache: KVCache | None):
+    def _run_layers(self, tokens, positions, mask, cache=None, layer_weights=None):
+        """-> (final-normed hidden, cache). cache: None, or (k, v [L,B,S,K,D], slots [B,T]) to write
+        the new tokens' K/V at and attend over (slots past the end are dropped)."""
         cfg = self.cfg
         dtype = jnp.dtype(cfg.dtype)
         # the residual stream stays float32; matmul inputs are cast to the compute dtype
@@ -205,31 +220,32 @@ class Qwen(nnx.Module):
         x = shd.constrain(x, ("batch", "seq", "act_embed"), self.mesh)
         cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
         layer = functools.partial(_decoder_layer, cfg=cfg, cos=cos, sin=sin, mask=mask, mesh=self.mesh)
-        policy = REMAT_POLICIES[cfg.remat]
         if cfg.remat != "none":
-            layer = jax.checkpoint(layer, policy=policy)
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat])
         params = self.layers.arrays()
-        kv_in = None if cache is None else (cache.k, cache.v)
+        kv, slots = (None, None) if cache is None else (cache[:2], cache[2])
 
-        def body(h, xs):
-            p, kv = xs
-            return layer(p, h, kv)
+        def body(carry, xs):
+            h, kv = carry
+            p, i = xs
+            return layer(p, h, kv, i, slots), None
 
-        if cfg.scan_layers:
-            x, kv_out = jax.lax.scan(body, x, (params, kv_in))
+        if layer_weights is None and cfg.scan_layers:
+            (x, kv), _ = jax.lax.scan(body, (x, kv), (params, jnp.arange(cfg.num_layers)))
         else:
-            outs = []
             for i in range(cfg.num_layers):
-                xs = jax.tree.map(lambda a: a[i], (params, kv_in))
-                x, kv = body(x, xs)
-                outs.append(kv)
-            kv_out = jax.tree.map(lambda *a: jnp.stack(a), *outs) if cache is not None else None
+                p = layer_weights[i] if layer_weights is not None else jax.tree.map(lambda a: a[i], params)
+                (x, kv), _ = body((x, kv), (p, i))
         x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps).astype(dtype)
-        return x, kv_out
+        return x, kv
 
 
-def _decoder_layer(p: dict[str, jax.Array], x, kv_cache, *, cfg: QwenConfig, cos, sin, mask, mesh):
-    """One pre-norm decoder layer. Returns (x, (k_new, v_new) if a cache is read else None)."""
+def _decoder_layer(p: dict[str, jax.Array], x, kv, layer, slots, *, cfg: QwenConfig, cos, sin, mask, mesh):
+    """One pre-norm decoder layer -> (x, kv).
+
+    kv: None (attend over the T tokens themselves), or the stacked cache (k, v [L,B,S,K,D]): this
+    layer's K/V are written at [layer, b, slots[b, t]] and attention reads cache row `layer`.
+    """
     dtype = jnp.dtype(cfg.dtype)
     w = {k: v.astype(dtype) for k, v in p.items()}
     h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps).astype(dtype)
@@ -243,14 +259,12 @@ def _decoder_layer(p: dict[str, jax.Array], x, kv_cache, *, cfg: QwenConfig, cos
         k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     q = shd.constrain(q, ("batch", "seq", "q_heads", "head_dim"), mesh)
-    if kv_cache is None:
-        keys, values, new_kv = k, v, None
+    if kv is None:
+        o = attention(q, k, v, mask)
     else:
-        ck, cv = kv_cache
-        keys = jnp.concatenate([ck.astype(dtype), k], axis=1)
-        values = jnp.concatenate([cv.astype(dtype), v], axis=1)
-        new_kv = (k, v)
-    o = attention(q, keys, values, mask)
+        rows = jnp.arange(k.shape[0])[:, None]
+        kv = tuple(c.at[layer, rows, slots].set(new.astype(c.dtype), mode="drop") for c, new in zip(kv, (k, v)))
+        o = attention(q, kv[0][layer].astype(dtype), kv[1][layer].astype(dtype), mask)
     x = x + jnp.einsum("bthd,hde->bte", o, w["o_proj"])
     x = shd.constrain(x, ("batch", "seq", "act_embed"), mesh)
     h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps).astype(dtype)
@@ -258,7 +272,7 @@ def _decoder_layer(p: dict[str, jax.Array], x, kv_cache, *, cfg: QwenConfig, cos
     up = jnp.einsum("bte,ef->btf", h, w["up_proj"])
     x = x + jnp.einsum("btf,fe->bte", jax.nn.silu(gate) * up, w["down_proj"])
     x = shd.constrain(x, ("batch", "seq", "act_embed"), mesh)
-    return x, new_kv
+    return x, kv
 
 
 def attention(q, k, v, mask) -> jax.Array:

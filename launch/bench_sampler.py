@@ -1,0 +1,124 @@
+"""python -m launch.bench --suite=sampler: our sampler against transformers `generate()`, same run.
+
+For each Qwen2-shaped config the weights are drawn once in torch (transformers' own init), saved
+with `save_pretrained` and loaded into the NNX model, so both implementations run identical fp32
+weights. Both decode greedily without an EOS stop from the same random prompts, batch 1 and 8.
+
+Measured per implementation, best of --sampler_repeats (compiles and the first call excluded):
+- prefill_s: prompt in, first new token out (our `start` + a 1-token `generate`; transformers
+  `generate(max_new_tokens=1)`).
+- decode_tok_s: batch * (N - 1) / (time for N new tokens - time for 1).
+Lines are JSON; each config/batch ends with a `ratio` line (ours / transformers for tokens/s,
+transformers / ours for prefill time) and the fraction of greedy tokens on which both agree.
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+
+import numpy as np
+from absl import flags
+
+CONFIGS = {
+    # name: (Qwen2 config kwargs, new tokens)
+    "tiny": (dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True), 128),
+    "small": (dict(vocab_size=32000, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
+                   num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True), 64),
+    # Qwen2.5-0.5B's shape
+    "0.5b": (dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                  num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True), 32),
+}
+
+flags.DEFINE_list("sampler_configs", list(CONFIGS), f"Configs to run, from {sorted(CONFIGS)}.")
+flags.DEFINE_list("sampler_batches", ["1", "8"], "Batch sizes.")
+flags.DEFINE_integer("sampler_prompt_len", 32, "Prompt tokens per row.")
+flags.DEFINE_integer("sampler_new_tokens", 0, "New tokens per row (0: the config's default).")
+flags.DEFINE_integer("sampler_repeats", 3, "Timed repeats; the best is reported.")
+FLAGS = flags.FLAGS
+
+
+def _best(fn, repeats: int) -> float:
+    fn()  # warm-up: compiles, first-call allocations
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def _ours(directory: str, prompts: np.ndarray, new_tokens: int, repeats: int):
+    import models
+    from cope_jax.sampler import Sampler
+
+    model, _ = models.load_hf_model(directory)
+    B, P = prompts.shape
+    sampler = Sampler(model, batch_size=B, max_len=P + new_tokens, eos_ids=[])
+    state = sampler.init_state()
+    out = {}
+
+    def run(n):
+        def once():
+            sampler.start(prompts, state=state, rows=range(B))
+            out[n] = sampler.generate(state, max_new_tokens=n, greedy=True)  # host copy = synchronised
+        return once
+
+    t1, tn = _best(run(1), repeats), _best(run(new_tokens), repeats)
+    return t1, tn, np.stack(out[new_tokens].tokens)
+
+
+def _transformers(torch_model, prompts: np.ndarray, new_tokens: int, repeats: int):
+    import torch
+
+    ids = torch.tensor(prompts, dtype=torch.long)
+    mask = torch.ones_like(ids)
+    out = {}
+
+    def run(n):
+        def once():
+            with torch.no_grad():
+                out[n] = torch_model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n,
+                                              eos_token_id=None, pad_token_id=0)
+        return once
+
+    t1, tn = _best(run(1), repeats), _best(run(new_tokens), repeats)
+    return t1, tn, out[new_tokens][:, prompts.shape[1]:].numpy()
+
+
+def _line(**kw) -> None:
+    print(json.dumps({"suite": "sampler", **kw}), flush=True)
+
+
+def run(argv: list[str]) -> None:
+    del argv
+    import torch
+    import transformers
+
+    for name in FLAGS.sampler_configs:
+        if name not in CONFIGS:
+            raise ValueError(f"unknown sampler config {name!r}; known: {sorted(CONFIGS)}")
+    for name in FLAGS.sampler_configs:
+        kw, default_new = CONFIGS[name]
+        new_tokens = FLAGS.sampler_new_tokens or default_new
+        hf_cfg = transformers.Qwen2Config(**kw, max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6,
+                                          eos_token_id=None, pad_token_id=0)
+        torch.manual_seed(0)
+        torch_model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32).eval()
+        with tempfile.TemporaryDirectory() as directory:
+            torch_model.save_pretrained(directory)
+            for batch in (int(b) for b in FLAGS.sampler_batches):
+                prompts = np.random.RandomState(batch).randint(0, kw["vocab_size"], (batch, FLAGS.sampler_prompt_len))
+                res = {"cope_jax": _ours(directory, prompts, new_tokens, FLAGS.sampler_repeats),
+                       "transformers": _transformers(torch_model, prompts, new_tokens, FLAGS.sampler_repeats)}
+                stats = {}
+                for impl, (t1, tn, _) in res.items():
+                    stats[impl] = dict(prefill_s=t1, decode_tok_s=batch * (new_tokens - 1) / max(tn - t1, 1e-9))
+                    _line(config=name, batch=batch, impl=impl, prompt_len=FLAGS.sampler_prompt_len,
+                          new_tokens=new_tokens, dtype="float32", **{k: round(v, 4) for k, v in stats[impl].items()})
+                ours, ref = stats["cope_jax"], stats["transformers"]
+                _line(config=name, batch=batch, impl="ratio",
+                      decode_speedup=round(ours["decode_tok_s"] / ref["decode_tok_s"], 2),
+                      prefill_speedup=round(ref["prefill_s"] / ours["prefill_s"], 2),
+                      greedy_tokens_agree=round(float(np.mean(res["cope_jax"][2] == res["transformers"][2])), 3))

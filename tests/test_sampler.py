@@ -1,0 +1,276 @@
+"""The sampler against transformers (greedy `generate`, forward log-softmax) on tiny random Qwen models.
+
+Compiles are shared: every sampler here has 4 rows, max_len 64 and prefill chunks of 16, and most
+calls use all 4 rows with max_new_tokens <= 16, so a handful of shapes serve the whole file.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+
+import models
+from cope_jax.sampler import Sampler
+from cope_jax.sampling import sample_tokens
+from tests.hf_fixtures import TINY_CONFIGS, hf_logits, make_tiny_hf
+
+B, MAX_LEN = 4, 64
+PROMPT_LENS = (5, 12, 2, 19)  # 19 > the prefill chunk: prefilled in two calls
+
+
+def _prompts(vocab, seed=0, lens=PROMPT_LENS):
+    rng = np.random.RandomState(seed)
+    return [rng.randint(0, vocab, n).tolist() for n in lens]
+
+
+def _load(tmp_path_factory, name):
+    family, kw = TINY_CONFIGS[name]
+    directory = str(tmp_path_factory.mktemp(name))
+    torch_model = make_tiny_hf(directory, family, **kw)
+    model, cfg = models.load_hf_model(directory)
+    return directory, torch_model, model, cfg
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    """name -> (directory, torch model, config, sampler), built once per module."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            directory, torch_model, model, cfg = _load(tmp_path_factory, name)
+            sampler = Sampler(model, batch_size=B, max_len=MAX_LEN, eos_ids=[], prefill_chunk=16)
+            cache[name] = directory, torch_model, cfg, sampler
+        return cache[name]
+    return get
+
+
+@pytest.fixture(scope="module")
+def setup(loaded):
+    return loaded("qwen2_untied_gqa4")
+
+
+def _hf_greedy(torch_model, prompts, n):
+    """transformers' greedy generate on a left-padded batch, EOS disabled: [len(prompts), n]."""
+    T = max(map(len, prompts))
+    ids = np.zeros((len(prompts), T), np.int64)
+    mask = np.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, T - len(p):], mask[i, T - len(p):] = p, 1
+    with torch.no_grad():
+        out = torch_model.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), do_sample=False,
+                                   max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0)
+    return out[:, T:].numpy()
+
+
+def _hf_logprobs(torch_model, history, generated):
+    """transformers' log-softmax at each generated token, given the full history before it."""
+    seq = np.array(list(history) + list(generated))[None]
+    logp = torch.log_softmax(torch.tensor(hf_logits(torch_model, seq)[0]), -1).numpy()
+    pos = np.arange(len(history) - 1, len(seq[0]) - 1)
+    return logp[pos, seq[0, pos + 1]]
+
+
+@pytest.mark.parametrize("name", ["qwen2_untied_gqa4", "qwen3_untied_gqa4_hd"])
+def test_greedy_equals_transformers_generate(loaded, name):
+    _, torch_model, cfg, sampler = loaded(name)
+    prompts = _prompts(cfg.vocab_size)
+    out = sampler.generate(sampler.start(prompts), max_new_tokens=16, greedy=True)
+    ref = _hf_greedy(torch_model, prompts, 16)
+    assert out.finish_reasons == ["length"] * B
+    for i in range(B):
+        np.testing.assert_array_equal(out.tokens[i], ref[i])
+
+
+def test_logprobs_are_the_policy_log_softmax(setup):
+    _, torch_model, cfg, sampler = setup
+    prompts = _prompts(cfg.vocab_size, seed=1)
+    # the logprob is the raw policy's whatever the setting that drew the token
+    out = sampler.generate(sampler.start(prompts), max_new_tokens=12, temperature=[1.0, 0.7, 1.3, 1.0],
+                           top_p=[1.0, 1.0, 0.9, 0.8], top_k=[0, 20, 0, 0], key=jax.random.key(3))
+    for i, p in enumerate(prompts):
+        assert len(out.tokens[i]) == 12
+        np.testing.assert_allclose(out.logprobs[i], _hf_logprobs(torch_model, p, out.tokens[i]), atol=1e-4, rtol=0)
+
+
+def test_top_k_one_is_greedy_and_sampling_is_deterministic(setup):
+    _, _, cfg, sampler = setup
+    prompts = _prompts(cfg.vocab_size, seed=2)
+    greedy = sampler.generate(sampler.start(prompts), max_new_tokens=16, greedy=True)
+    top1 = sampler.generate(sampler.start(prompts), max_new_tokens=16, top_k=1, key=5)
+    a = sampler.generate(sampler.start(prompts), max_new_tokens=16, key=jax.random.key(7))
+    b = sampler.generate(sampler.start(prompts), max_new_tokens=16, key=jax.random.key(7))
+    c = sampler.generate(sampler.start(prompts), max_new_tokens=16, key=jax.random.key(8))
+    for i in range(B):
+        np.testing.assert_array_equal(top1.tokens[i], greedy.tokens[i])
+        np.testing.assert_array_equal(a.tokens[i], b.tokens[i])
+        np.testing.assert_array_equal(a.logprobs[i], b.logprobs[i])
+    assert any(not np.array_equal(a.tokens[i], c.tokens[i]) for i in range(B))
+    assert any(not np.array_equal(a.tokens[i], greedy.tokens[i]) for i in range(B))
+
+
+def _chi2_pvalue(counts, probs):
+    expected = probs * counts.sum()
+    order = np.argsort(expected)  # pool the rare tokens into one bin so every bin expects >= 5
+    cut = np.searchsorted(np.cumsum(expected[order]), 5.0) + 1
+    pooled = lambda x: np.concatenate([[x[order[:cut]].sum()], x[order[cut:]]])
+    return scipy.stats.chisquare(pooled(counts), pooled(expected)).pvalue
+
+
+def test_temperature_one_samples_the_model_distribution(setup):
+    _, torch_model, cfg, sampler = setup
+    prompt = _prompts(cfg.vocab_size, seed=3, lens=(6,))[0]
+    logits = hf_logits(torch_model, np.array([prompt]))[0, -1].astype(np.float64)
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    counts = np.zeros(cfg.vocab_size)
+    state = sampler.start([prompt] * B)
+    for it in range(200):
+        out = sampler.generate(state, max_new_tokens=1, key=it)
+        np.add.at(counts, [t[0] for t in out.tokens], 1)
+        sampler.start([prompt] * B, state=state, rows=range(B))
+    assert _chi2_pvalue(counts, probs) > 1e-3
+    # the same test rejects the distribution at temperature 1.6
+    hot = probs ** 0.625 / np.sum(probs ** 0.625)
+    assert _chi2_pvalue(counts, hot) < 1e-3
+
+
+def test_top_k_top_p_temperature_sample_the_filtered_distribution():
+    """sample_tokens alone, many rows of one logit vector, against the filtered softmax in numpy."""
+    V, R = 40, 20000
+    logits = np.random.RandomState(0).randn(V).astype(np.float32) * 2
+    draw = jax.jit(sample_tokens)
+    for temperature, top_k, top_p in ((0.7, 10, 1.0), (1.0, 0, 0.6), (1.5, 25, 0.9)):
+        scaled = logits.astype(np.float64) / temperature
+        order = np.argsort(-scaled)
+        keep = np.zeros(V, bool)
+        keep[order[:top_k or V]] = True
+        p = np.where(keep, np.exp(scaled - scaled.max()), 0)
+        p /= p.sum()
+        mass_before = np.cumsum(p[order]) - p[order]
+        keep[order[mass_before >= top_p]] = False
+        expected = np.where(keep, p, 0) / np.where(keep, p, 0).sum()
+        full = lambda x: jnp.full(R, x)
+        toks = np.asarray(draw(jnp.tile(logits, (R, 1)), jax.random.split(jax.random.key(1), R),
+                               full(temperature), full(top_k), full(top_p), full(False)))
+        counts = np.bincount(toks, minlength=V)
+        assert counts[~keep].sum() == 0
+        assert scipy.stats.chisquare(counts[keep], expected[keep] * R).pvalue > 1e-3
+
+
+def test_stop_sequences_and_eos_end_only_their_row(setup):
+    _, _, cfg, sampler = setup
+    prompts = _prompts(cfg.vocab_size, seed=4)
+    ref = sampler.generate(sampler.start(prompts), max_new_tokens=16, greedy=True).tokens
+    # a 2-token sequence that first appears in row 0 at positions 4, 5
+    stop = [int(ref[0][4]), int(ref[0][5])]
+    first = lambda r: next((j + 2 for j in range(len(r) - 1) if [r[j], r[j + 1]] == stop), None)
+    out = sampler.generate(sampler.start(prompts), max_new_tokens=16, greedy=True, stop_sequences=[stop, [cfg.vocab_size - 1] * 3])
+    for i in range(B):
+        end = first(ref[i].tolist())
+        expect = ("stop", ref[i][:end]) if end is not None else ("length", ref[i])
+        assert out.finish_reasons[i] == expect[0]
+        np.testing.assert_array_equal(out.tokens[i], expect[1])
+    assert out.finish_reasons[0] == "stop" and len(out.tokens[0]) <= 6
+    # EOS: row 2's 8th token ends row 2 (and any row producing it earlier), after emitting it
+    eos = int(ref[2][7])
+    out = sampler.generate(sampler.start(prompts), max_new_tokens=16, greedy=True, eos_ids=[eos])
+    for i in range(B):
+        hits = np.flatnonzero(ref[i] == eos)
+        n = hits[0] + 1 if len(hits) else 16
+        assert out.finish_reasons[i] == ("eos" if len(hits) else "length")
+        np.testing.assert_array_equal(out.tokens[i], ref[i][:n])
+
+
+def test_multi_turn_extend_equals_prefilling_the_history(setup):
+    _, _, cfg, sampler = setup
+    prompts = _prompts(cfg.vocab_size, seed=5)
+    obs = _prompts(cfg.vocab_size, seed=6, lens=(3, 1, 17, 6))
+    knobs = dict(max_new_tokens=8, temperature=1.0, top_p=0.95)
+    state = sampler.start(prompts)
+    turn1 = sampler.generate(state, key=11, **knobs)
+    assert sampler.extend(state, range(B), obs).all()
+    turn2 = sampler.generate(state, key=12, **knobs)
+    history = [p + t.tolist() + o for p, t, o in zip(prompts, turn1.tokens, obs)]
+    np.testing.assert_array_equal(state.num_tokens(), [len(h) + 8 for h in history])
+    fresh = sampler.generate(sampler.start(history), key=12, **knobs)
+    for i in range(B):
+        np.testing.assert_array_equal(turn2.tokens[i], fresh.tokens[i])
+        np.testing.assert_allclose(turn2.logprobs[i], fresh.logprobs[i], atol=1e-5, rtol=0)
+
+
+def test_idle_rows_and_reused_slots_are_unaffected(setup):
+    _, _, cfg, sampler = setup
+    prompts = _prompts(cfg.vocab_size, seed=7)
+    ref = sampler.generate(sampler.start(prompts), max_new_tokens=16, greedy=True).tokens
+    state = sampler.start(prompts)
+    part = sampler.generate(state, rows=[3, 1], max_new_tokens=16, greedy=True)  # rows 0, 2 idle
+    assert part.rows == [3, 1]
+    np.testing.assert_array_equal(part.tokens[0], ref[3])
+    np.testing.assert_array_equal(part.tokens[1], ref[1])
+    # a finished episode's slot starts a new one: row 3 restarts with row 0's prompt
+    sampler.free(state, [3])
+    sampler.start([prompts[0]], state=state)
+    rest = sampler.generate(state, rows=[0, 2, 3], max_new_tokens=16, greedy=True).tokens
+    for got, want in zip(rest, (ref[0], ref[2], ref[0])):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_context_full_never_truncates(setup):
+    _, _, cfg, sampler = setup
+    long = _prompts(cfg.vocab_size, seed=8, lens=(MAX_LEN - 3, 4, MAX_LEN + 1, MAX_LEN))
+    state = sampler.start(long)
+    assert state.full.tolist() == [False, False, True, False]
+    out = sampler.generate(state, max_new_tokens=16, greedy=True)
+    assert out.finish_reasons == ["context_full", "length", "context_full", "context_full"]
+    assert [len(t) for t in out.tokens] == [3, 16, 0, 0]
+    assert state.num_tokens()[0] == MAX_LEN
+    # an observation that does not fit is refused, and the row only reports context_full
+    fits = sampler.extend(state, [0, 1], [[1], [2] * (MAX_LEN - 20 + 1)])
+    assert fits.tolist() == [False, False]
+    assert sampler.extend(state, [1], [[2] * (MAX_LEN - 20 - 2)]).tolist() == [False]  # row 1 is now full
+    out = sampler.generate(state, rows=[0, 1], max_new_tokens=4, greedy=True)
+    assert out.finish_reasons == ["context_full"] * 2 and [len(t) for t in out.tokens] == [0, 0]
+
+
+def test_sharded_scanned_greedy_equals_single_device_unrolled(setup):
+    directory, _, cfg, sampler = setup
+    prompts = _prompts(cfg.vocab_size, seed=9)
+    ref = sampler.generate(sampler.start(prompts), max_new_tokens=16, greedy=True).tokens
+    mesh = models.make_mesh((2, 2, 2))
+    model, _ = models.load_hf_model(directory, mesh=mesh)
+    # the accelerator configuration: scanned layers over the stacked weights (CPU unrolls them)
+    sharded = Sampler(model, batch_size=B, max_len=MAX_LEN, eos_ids=[], prefill_chunk=16, unroll_layers=False)
+    state = sharded.start(prompts)
+    assert len(state.cache.k.sharding.device_set) == 8
+    out = sharded.generate(state, max_new_tokens=16, greedy=True)
+    # the cache stays on its sharding across donated calls: batch over data x fsdp, kv heads over tp
+    want = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, ("data", "fsdp"), None, "tp"))
+    assert state.cache.k.sharding.is_equivalent_to(want, 5)
+    for i in range(B):
+        np.testing.assert_array_equal(out.tokens[i], ref[i])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-0.5, key=0), "temperature"),
+    (dict(top_p=0.0, key=0), "top_p"),
+    (dict(top_k=-1, key=0), "top_k"),
+    (dict(max_new_tokens=0, key=0), "max_new_tokens"),
+    (dict(temperature=[1.0, 1.0], key=0), "one value per row"),  # 3 live rows
+    (dict(temperature=1.0), "PRNG key"),
+    (dict(rows=[0, 0], greedy=True), "repeat"),
+    (dict(rows=[9], greedy=True), "out of range"),
+    (dict(stop_sequences=[[]], greedy=True), "empty stop"),
+])
+def test_bad_arguments_raise_clear_errors(setup, kwargs, message):
+    _, _, cfg, sampler = setup
+    state = sampler.start(_prompts(cfg.vocab_size, lens=(3, 3, 3)))
+    with pytest.raises(ValueError, match=message):
+        sampler.generate(state, **kwargs)
+    with pytest.raises(ValueError, match="free"):
+        sampler.generate(state, rows=[3], greedy=True)
+    with pytest.raises(ValueError, match="empty prompt"):
+        sampler.start([[]], state=state)
+    with pytest.raises(ValueError, match="outside"):
+        sampler.extend(state, [0], [[cfg.vocab_size]])
