@@ -34,6 +34,12 @@ class EnvFamily(abc.ABC):
     invalid_action_message: str = "Nothing happens."
     # Action parsing options (see envs.parsing.parse_action).
     multiline_actions: bool = False
+    # How the rollout lays out the chat (optional protocol, defaults fit every ReAct family):
+    # 'react': user instruction + fixed acknowledgement, then observations as user turns;
+    # 'tool_calling': a system message (`system_prompt(task_id)`) rendered with the native tools
+    # list (`tools(task_id)`), no acknowledgement, and each observation in the role given by the
+    # step/reset info's 'role' ('tool' results are grouped into <tool_response> user turns).
+    chat_layout: str = "react"
 
     def __init__(self) -> None:
         self._rounds = 0
@@ -57,6 +63,14 @@ class EnvFamily(abc.ABC):
     def acknowledgement(self) -> str:
         """Fixed assistant reply to the instruction (appendix C)."""
         return "OK. I'll follow your instructions and try my best to solve the task."
+
+    def system_prompt(self, task_id: int) -> str | None:
+        """System message of a 'tool_calling' family (None: the chat format's default)."""
+        return None
+
+    def tools(self, task_id: int) -> list[dict] | None:
+        """OpenAI JSON schemas of the tools advertised to the model ('tool_calling' families)."""
+        return None
 
     def parse_action(self, reply: str | None) -> str | None:
         """The action in a model reply, None when malformed (-> invalid-action observation)."""
