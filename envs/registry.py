@@ -35,6 +35,7 @@ FAMILIES: dict[str, FamilySpec] = {
     spec.name: spec for spec in (
         FamilySpec("builtin", "envs.builtin:BuiltinEnv", call_timeout=10.0),
         FamilySpec("sciworld", "envs.sciworld:SciWorldEnv", call_timeout=60.0),
+        FamilySpec("alfworld", "envs.alfworld:AlfWorldEnv", call_timeout=60.0),
         FamilySpec("tau2", "envs.tau2:Tau2Env", call_timeout=120.0, start_timeout=180.0),
         # Fault injection for the pool's tests (crash / hang / raise on command).
         FamilySpec("chaos", "envs.chaos:ChaosEnv", call_timeout=10.0),
