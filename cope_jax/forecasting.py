@@ -1,0 +1,153 @@
+"""Action-forecasting (and success-filtered imitation) examples from successful trajectories (SPEC 3).
+
+Every example starts from a *prefix of the recorded token ids* of a successful episode, the history
+up to and including observation o_t (everything before the generation prompt of action t), so the
+history is never re-tokenized. What follows depends on the kind:
+
+- 'plan' (CoPE): a user turn with the planning request of appendix C.6, then the realized actions
+  a_t .. a_{t+K} as the target. ReAct layout: one assistant turn, one action per line. tau2 layout:
+  one assistant turn per action, separated by `Next action?` user turns that carry no loss.
+- 'sft' (`sft_success`): no planning request; the target is the assistant turn the policy actually
+  sampled at step t (its exact ids, including `<|im_end|>`).
+
+Decisions where the paper is silent (kept in one place, here):
+- Target actions are the parsed action strings (`Trajectory.actions`). An unparseable step (None)
+  has no action string and is never a target; with `skip_invalid`, neither is an action whose next
+  observation is the environment's invalid-action message. Examples are built only for steps t whose
+  own action a_t is a target (the request says "starting with the action you take right now"); the
+  window a_t .. a_{t+K} is clamped at the episode end and filtered, never padded, and `{k}` is the
+  number of targets that remain.
+- A target turn is laid out as the sampler would produce it: the generation prompt
+  `<|im_start|>assistant\\n`, then the target text encoded on its own, then `<|im_end|>`; the loss
+  covers the text and the `<|im_end|>`.
+- Weight: 1 / max(1, |S_x|) with |S_x| the number of successful rollouts in the trajectory's group
+  among the trajectories passed in (one train batch).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Sequence
+
+import numpy as np
+
+from cope_jax.chat import ChatFormat
+from cope_jax.trajectory import ForecastExample, Trajectory
+
+PLAN_REQUEST = {
+    "react": ("Plan ahead: list the next {k} actions you will take to make progress on the task, "
+              "starting with the action you take right now, one action per line."),
+    "tau2": ("Plan ahead: give the next {k} actions you will take to make progress on the task, one "
+             "action per reply, starting with the action you take right now. Reply with the action only."),
+}
+NEXT_ACTION = "Next action?"
+LAYOUTS = tuple(PLAN_REQUEST)
+TOOL_CALL_OPEN = "<tool_call>"
+
+
+@dataclasses.dataclass(frozen=True)
+class ForecastConfig:
+    kind: str = "plan"  # 'plan' | 'sft'
+    horizon: int = 2  # K: targets a_t .. a_{t+K}
+    layout: str = "react"  # 'react' | 'tau2'
+    skip_invalid: bool = False
+    skip_no_call: bool = False  # tau2: drop an example when none of its targets calls a tool
+    invalid_message: str | None = None  # the environment's invalid-action observation
+
+    def __post_init__(self):
+        if self.kind not in ("plan", "sft"):
+            raise ValueError(f"forecast kind must be 'plan' or 'sft', got {self.kind!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"forecast layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.horizon < 0:
+            raise ValueError(f"horizon K must be >= 0, got {self.horizon}")
+        if self.skip_invalid and self.invalid_message is None:
+            raise ValueError("skip_invalid needs the environment's invalid_message")
+
+
+def group_success_counts(trajectories: Sequence[Trajectory]) -> Counter:
+    """|S_x| per group id."""
+    return Counter(t.group_id for t in trajectories if t.success)
+
+
+def build_examples(trajectories: Sequence[Trajectory], chat: ChatFormat,
+                   cfg: ForecastConfig) -> list[ForecastExample]:
+    """All examples of one train batch; trajectory indices refer to `trajectories`."""
+    successes = group_success_counts(trajectories)
+    out: list[ForecastExample] = []
+    for index, traj in enumerate(trajectories):
+        if not traj.success:
+            continue
+        weight = 1.0 / max(1, successes[traj.group_id])
+        keep = _target_steps(traj, cfg)
+        for t in range(traj.num_steps):
+            if not keep[t]:
+                continue
+            if cfg.kind == "sft":
+                tokens, mask = _sft_example(traj, t, chat)
+            else:
+                window = [j for j in range(t, min(t + cfg.horizon + 1, traj.num_steps)) if keep[j]]
+                targets = [traj.actions[j] for j in window]
+                if cfg.skip_no_call and not any(TOOL_CALL_OPEN in a for a in targets):
+                    continue
+                tokens, mask = _plan_example(traj, t, targets, chat, cfg.layout)
+            out.append(ForecastExample(tokens=tokens, target_mask=mask, weight=weight,
+                                       group_id=traj.group_id, source=index, step=t, kind=cfg.kind))
+    return out
+
+
+def history_prefix(traj: Trajectory, t: int, chat: ChatFormat) -> np.ndarray:
+    """The episode's ids up to and including observation o_t (before action t's generation prompt)."""
+    start = int(traj.action_spans[t][0]) - len(chat.generation_prompt())
+    if start < 0:
+        raise ValueError(f"action {t} starts at {traj.action_spans[t][0]}, before any generation prompt")
+    return traj.tokens[:start]
+
+
+def _target_steps(traj: Trajectory, cfg: ForecastConfig) -> list[bool]:
+    keep = [a is not None for a in traj.actions[:traj.num_steps]]
+    keep += [False] * (traj.num_steps - len(keep))
+    if cfg.skip_invalid:
+        # observation o_{j+1} answers action a_j
+        for j in range(traj.num_steps):
+            nxt = traj.observations[j + 1] if j + 1 < len(traj.observations) else None
+            if nxt is not None and nxt.strip() == cfg.invalid_message.strip():
+                keep[j] = False
+    return keep
+
+
+def _assistant_target(text: str, chat: ChatFormat) -> tuple[list[int], list[bool]]:
+    prompt = chat.generation_prompt()
+    body = chat.tokenizer.encode(text) + [chat.im_end_id]
+    tail = chat.end_of_turn()
+    return prompt + body + tail, [False] * len(prompt) + [True] * len(body) + [False] * len(tail)
+
+
+def _plan_example(traj, t, targets, chat, layout):
+    ids = list(history_prefix(traj, t, chat))
+    mask = [False] * len(ids)
+    request = chat.turn("user", PLAN_REQUEST[layout].format(k=len(targets))).ids
+    ids += request
+    mask += [False] * len(request)
+    turns = ["\n".join(targets)] if layout == "react" else targets
+    for i, text in enumerate(turns):
+        if i:
+            sep = chat.turn("user", NEXT_ACTION).ids
+            ids += sep
+            mask += [False] * len(sep)
+        t_ids, t_mask = _assistant_target(text, chat)
+        ids += t_ids
+        mask += t_mask
+    return np.asarray(ids, np.int32), np.asarray(mask, bool)
+
+
+def _sft_example(traj, t, chat):
+    """History up to o_t, then the assistant turn exactly as sampled (content + `<|im_end|>`)."""
+    start = int(traj.action_spans[t][0])
+    stop = start
+    while stop < len(traj.tokens) and traj.action_mask[stop]:
+        stop += 1
+    ids = np.concatenate([traj.tokens[:stop], np.asarray(chat.end_of_turn(), np.int32)])
+    mask = np.zeros(len(ids), bool)
+    mask[start:stop] = True
+    return ids, mask
