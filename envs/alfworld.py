@@ -2,9 +2,10 @@
 
 A task is one ALFWorld game: a trial folder holding `traj_data.json` (task type and parameters)
 and `game.tw-pddl` (the ALFRED PDDL domain, the text grammar with the goal filled in, the problem,
-and the `solvable` flag), laid out as `json_2.1.1/<split>/<task_type>-<Obj>-<Mrecep>-<Recep>-<scene>/
-trial_*/`. The game is played by textworld's `PddlEnv` (fast-downward grounds the PDDL) wrapped
-in ALFWorld's own name demangler, exactly as `AlfredTWEnv` does.
+and the `solvable` flag), laid out as
+`json_2.1.1/<split>/<task_type>-<Obj>-<Mrecep>-<Recep>-<scene>/trial_*/`. The game is played by
+textworld's `PddlEnv` (fast-downward grounds the PDDL) wrapped in ALFWorld's own name demangler,
+exactly as `AlfredTWEnv` does.
 
 Tasks and splits (SPEC 5, paper appendix A.3): the training pool is the games under
 json_2.1.1/train and the test set the games under json_2.1.1/valid_train, concatenated into one
@@ -180,8 +181,9 @@ class AlfWorldEnv(EnvFamily):
         env.load(str(game))
         self._state = env.reset()
         intro = "\n".join(self._state.feedback.split("\n\n")[1:])  # drop the banner
+        commands = list(self._state["admissible_commands"])
         return self._observe(intro), {"game": str(game), "won": False, "score": 0.0,
-                                      "admissible_commands": list(self._state["admissible_commands"])}
+                                      "admissible_commands": commands}
 
     def _step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
         self._state, _, _ = self._engine().step(action)

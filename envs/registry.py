@@ -36,6 +36,9 @@ FAMILIES: dict[str, FamilySpec] = {
         FamilySpec("builtin", "envs.builtin:BuiltinEnv", call_timeout=10.0),
         FamilySpec("sciworld", "envs.sciworld:SciWorldEnv", call_timeout=60.0),
         FamilySpec("alfworld", "envs.alfworld:AlfWorldEnv", call_timeout=60.0),
+        FamilySpec("webshop", "envs.webshop:WebShopEnv", call_timeout=60.0, start_timeout=300.0),
+        FamilySpec("appworld", "envs.appworld:AppWorldEnv", call_timeout=120.0,
+                   start_timeout=300.0),
         FamilySpec("tau2", "envs.tau2:Tau2Env", call_timeout=120.0, start_timeout=180.0),
         # Fault injection for the pool's tests (crash / hang / raise on command).
         FamilySpec("chaos", "envs.chaos:ChaosEnv", call_timeout=10.0),

@@ -2,6 +2,7 @@
 expert plans win through the adapter and the pool, wrong plans lose, data bookkeeping."""
 
 import json
+import re
 import time
 
 import pytest
@@ -38,7 +39,9 @@ def test_game_file_is_the_real_format(data_dir):
     data = json.loads(game.read_text())
     assert set(data) == {"pddl_domain", "grammar", "pddl_problem", "solvable", "walkthrough"}
     assert data["solvable"] and data["walkthrough"] == planner_plan(game)
-    assert "(define (domain alfred)" in data["pddl_domain"] and "UNKNOWN GOAL" not in data["grammar"]
+    assert "(define (domain alfred)" in data["pddl_domain"]
+    assert "UNKNOWN GOAL" not in data["grammar"]
+    assert re.search(r"Your task is to: [^.\"]* mug", data["grammar"])  # the templated goal
 
 
 def test_expert_plans_win_through_the_adapter(env):

@@ -82,7 +82,8 @@ def test_gold_replay_gives_y1_in_every_domain(env):
             assert done and score == 1.0 and env.success(score, done, info), (domain, tid, info)
             assert info["termination"] == "user_stop"
     # observations carry their chat role: tool results after calls, customer text otherwise
-    steps = _play(env, _test_ids("retail", 1)[0], gold_replies(env.load_task(_test_ids("retail", 1)[0])))
+    tid = _test_ids("retail", 1)[0]
+    steps = _play(env, tid, gold_replies(env.load_task(tid)))
     assert steps[0][3]["role"] == "user" and steps[1][3]["role"] == "tool"
     user_id = steps[1][0]  # real tool results: the id lookup, then that user's record
     assert json.loads(steps[2][0])["user_id"] == user_id
@@ -104,7 +105,8 @@ def test_bad_tool_call_costs_a_round_and_the_cap_scores_zero(env):
     env.reset(tid, max_steps=3)
     obs, score, done, info = env.step(env.parse_action('<tool_call>{"name": "get_user_details", '
                                                        '"arguments": {"user_id": }</tool_call>'))
-    assert obs == BAD_TOOL_CALL.format(reason="JSON error: Expecting value") and info["role"] == "tool"
+    assert obs == BAD_TOOL_CALL.format(reason="JSON error: Expecting value")
+    assert info["role"] == "tool"
     assert info["invalid"] and not done and info["rounds"] == 1
     obs, score, done, info = env.step(None)
     assert info["invalid"] and not done
