@@ -193,3 +193,26 @@ def test_scripted_user_kind():
     assert obs == "Hello there."
     obs, score, done, info = fam.step("Let me transfer you.")
     assert done and obs == "###TRANSFER###" and info["termination"] == "user_stop"
+
+
+def test_native_chat_layout_renders_policy_tools_and_tool_responses(env):
+    """The rollout's chat format (Qwen2.5 template) on what the family exposes (appendix C.5)."""
+    from cope_jax.chat import ChatFormat
+    from cope_jax.tokenizer import load_tokenizer
+    tokenizer = load_tokenizer("qwen")
+    chat = ChatFormat(tokenizer, "qwen2.5")
+    tid = _test_ids("retail", 1)[0]
+    reply = gold_replies(env.load_task(tid))[0]
+    steps = _play(env, tid, [reply])
+    (first, _, _, info0), (result, _, _, info1) = steps
+    messages = [{"role": "system", "content": env.system_prompt(tid)},
+                {"role": info0["role"], "content": first},
+                {"role": "assistant", "content": env.parse_action(reply)},
+                {"role": info1["role"], "content": result}]
+    text = tokenizer.decode(chat.render(messages, tools=env.tools(tid)))
+    system = text.split("<|im_end|>")[0]
+    assert system.startswith("<|im_start|>system\nYou are a customer service agent")
+    assert "</policy>\n\n# Tools\n\nYou may call one or more functions" in system
+    assert system.count('{"type": "function"') == len(env.tools(tid)) == 15
+    assert "<|im_start|>assistant" not in text.split(first)[0]  # no acknowledgement turn
+    assert f"<|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>" in text
