@@ -60,9 +60,9 @@ def load_table(path: Path = TABLE_PATH) -> dict[str, dict[str, list]]:
 _TABLE = load_table()
 POOL: tuple[tuple[str, str], ...] = tuple(
     (domain, tid) for domain in DOMAINS for tid in _TABLE[domain]["ids"])
-SPLIT_IDS = {split: tuple(i for i, (d, t) in enumerate(POOL)
-                          if _TABLE[d]["test"][_TABLE[d]["ids"].index(t)] == (split == "test"))
-             for split in ("train", "test")}
+_IS_TEST = tuple(flag for domain in DOMAINS for flag in _TABLE[domain]["test"])
+SPLIT_IDS = {"train": tuple(i for i, test in enumerate(_IS_TEST) if not test),
+             "test": tuple(i for i, test in enumerate(_IS_TEST) if test)}
 
 
 def loader_table() -> dict[str, dict[str, list]]:
