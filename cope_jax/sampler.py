@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from typing import Sequence
 
 import jax
@@ -112,27 +113,27 @@ def _put(cache: KVCache, pending, sub: KVCache, sub_pending, rows, window: int, 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "window", "compact", "shardings"),
                    donate_argnames=("cache", "pending"))
-def _prefill(graphdef, params, cache, pending, rows, tokens, num_new, prepend, new_pending, reset, *,
+def _prefill(graphdef, params, weights, cache, pending, rows, tokens, num_new, prepend, new_pending, reset, *,
              window: int, compact: bool, shardings):
     """Appends tokens[r, :num_new[r]] to each row (R rows, T = tokens.shape[1]).
 
     rows [R] (compact: state rows, padding = B); tokens [R, T]; prepend [R] bool: tokens[r, 0] is
     replaced by the row's pending token (extension); new_pending [R] (-1: keep); reset [R] bool:
-    the row starts empty (a new episode in a reused slot).
+    the row starts empty (a new episode in a reused slot). weights: `_unrolled_weights` or None.
     """
     model = nnx.merge(graphdef, params)
     sub, sub_pending = _take(cache, pending, rows, window, compact)
     sub = sub.replace(lengths=jnp.where(reset, 0, sub.lengths))
     tokens = tokens.at[:, 0].set(jnp.where(prepend, sub_pending, tokens[:, 0]))
-    _, sub = model.decode(tokens, num_new, sub)
+    _, sub = model.decode(tokens, num_new, sub, None if weights is None else weights[0])
     sub_pending = jnp.where(new_pending >= 0, new_pending, sub_pending)
     return _constrain(_put(cache, pending, sub, sub_pending, rows, window, compact), shardings)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "window", "steps", "compact", "unroll", "shardings"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "window", "steps", "compact", "shardings"),
                    donate_argnames=("cache", "pending"))
-def _decode_loop(graphdef, params, cache, pending, rows, knobs, max_steps, limit_code, eos_ids, stops, key,
-                 *, window: int, steps: int, compact: bool, unroll: bool, shardings):
+def _decode_loop(graphdef, params, weights, cache, pending, rows, knobs, max_steps, limit_code, eos_ids, stops,
+                 key, *, window: int, steps: int, compact: bool, shardings):
     """Generates up to max_steps[r] tokens per row in one `lax.while_loop` of single-token steps.
 
     knobs: dict of [R] arrays (temperature, top_k, top_p, greedy); limit_code [R]: the finish code
@@ -141,8 +142,7 @@ def _decode_loop(graphdef, params, cache, pending, rows, knobs, max_steps, limit
     finish codes [R]).
     """
     model = nnx.merge(graphdef, params)
-    # hoisted out of the loop: per-layer weights and the transposed head, copied once per call
-    weights, head_t = (model.layer_weights(), model.lm_head_weight().T) if unroll else (None, None)
+    layer_weights, head_t = (None, None) if weights is None else weights
     sub, sub_pending = _take(cache, pending, rows, window, compact)
     R = sub_pending.shape[0]
     row_ids = jnp.arange(R) if not compact else rows
@@ -157,7 +157,7 @@ def _decode_loop(graphdef, params, cache, pending, rows, knobs, max_steps, limit
 
     def body(s):
         active = ~s["done"]
-        h, new_cache = model.decode(s["pending"][:, None], active.astype(jnp.int32), s["cache"], weights)
+        h, new_cache = model.decode(s["pending"][:, None], active.astype(jnp.int32), s["cache"], layer_weights)
         logits = model.unembed(h[:, 0], head_t)
         # a row's randomness depends only on (key, step, row): not on which other rows run
         step_key = jax.random.fold_in(key, s["step"])
@@ -178,6 +178,13 @@ def _decode_loop(graphdef, params, cache, pending, rows, knobs, max_steps, limit
     return cache, pending, s["tokens"], s["logprobs"], s["n"], s["code"]
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _unrolled_weights(graphdef, params):
+    """(per-layer weight dicts, LM head as [E, V]): the decode layout for XLA:CPU."""
+    model = nnx.merge(graphdef, params)
+    return model.layer_weights(), model.lm_head_weight().T
+
+
 def _constrain(state, shardings):
     """Keeps (cache, pending) on the state's shardings, so donated buffers are reused in place and
     the next call sees the same input shardings (no recompile)."""
@@ -190,11 +197,13 @@ class Sampler:
 
     eos_ids: token ids that end a turn (default: the model config's eos_token_id).
     min_window / prefill_chunk: smallest cache window compiled, longest append done in one call
-    (longer ones are prefilled in chunks). unroll_layers (default: on CPU): the decode loop runs
-    the layers unrolled on per-layer copies of the weights and a transposed head, made once per
-    `generate` call (XLA:CPU would otherwise copy every layer's weights out of the stacked arrays
-    at every step); off on accelerators, where that transient copy of the weights costs memory. The model's parameters are read at every call, so an
+    (longer ones are prefilled in chunks). The model's parameters are read at every call, so an
     optimizer updating the model in place is seen by the next turn without re-building anything.
+
+    unroll_layers (default: on CPU) runs the layers unrolled on per-layer copies of the weights
+    and a transposed LM head, kept until the model's parameters change: XLA:CPU would otherwise
+    copy each layer's weights out of the stacked arrays at every step. It costs a second copy of
+    the weights, so it is off on accelerators.
     """
 
     def __init__(self, model, *, batch_size: int, max_len: int, eos_ids: Sequence[int] | None = None,
@@ -211,6 +220,9 @@ class Sampler:
         self._check_ids(self.eos_ids, "eos_ids")
         self.cache_dtype = jnp.dtype(cache_dtype or self.cfg.dtype)
         self.unroll = jax.default_backend() == "cpu" if unroll_layers is None else bool(unroll_layers)
+        self._weights_for: list[weakref.ref] = []  # the parameter arrays the unrolled copy was made from
+        self._weights = None
+        self._unused_key = None
         # under a multi-device mesh rows stay in place (moving caches across devices costs more
         # than computing idle rows); on one device the participating rows are gathered
         self.compact = self.mesh is None or self.mesh.size == 1
@@ -320,11 +332,11 @@ class Sampler:
             lay = self._layout(rows)
             args = dict(max_steps=lay(max_steps, 0), limit_code=lay(limit_code, 0),
                         knobs={k: lay(v, 1 if k == "temperature" else 0) for k, v in knobs.items()})
-            graphdef, params = nnx.split(self.model)
+            graphdef, params, weights = self._params()
             state.cache, state.pending, toks, lps, counts, codes = _decode_loop(
-                graphdef, params, state.cache, state.pending, lay.rows, args["knobs"], args["max_steps"],
+                graphdef, params, weights, state.cache, state.pending, lay.rows, args["knobs"], args["max_steps"],
                 args["limit_code"], eos, stops, key, window=window, steps=steps,
-                compact=self.compact, unroll=self.unroll, shardings=self._shardings)
+                compact=self.compact, shardings=self._shardings)
             toks, lps, counts, codes = (np.asarray(x)[lay.index] for x in (toks, lps, counts, codes))
         else:
             toks, lps = np.zeros((n, 0), np.int32), np.zeros((n, 0), np.float32)
@@ -344,7 +356,7 @@ class Sampler:
             return
         lengths = np.array([len(a) for a in appends], np.int64)
         lay = self._layout(np.array(rows))
-        graphdef, params = nnx.split(self.model)
+        graphdef, params, weights = self._params()
         chunk = self.chunks[-1]
         n_chunks = max(1, -(-int(lengths.max()) // chunk))
         for c in range(n_chunks):
@@ -358,12 +370,25 @@ class Sampler:
             after = (0 if reset and c == 0 else state.cached[rows]) + counts
             window = _bucket(max(1, int(after.max())), self.windows)
             state.cache, state.pending = _prefill(
-                graphdef, params, state.cache, state.pending, lay.rows, lay(tokens, 0), lay(counts, 0),
+                graphdef, params, weights, state.cache, state.pending, lay.rows, lay(tokens, 0), lay(counts, 0),
                 lay(np.full(len(rows), prepend and c == 0), False),
                 lay(np.array(new_pending) if last else np.full(len(rows), -1), -1),
                 lay(np.full(len(rows), reset and c == 0), False), window=window, compact=self.compact,
                 shardings=self._shardings)
             state.cached[rows] = after
+
+    def _params(self):
+        """(graphdef, params, unrolled weights or None), re-making the unrolled copy only when the
+        model's parameter arrays changed (an optimizer step replaces them)."""
+        graphdef, params = nnx.split(self.model)
+        if not self.unroll:
+            return graphdef, params, None
+        leaves = jax.tree.leaves(params)
+        if len(leaves) != len(self._weights_for) or any(r() is not a for r, a in zip(self._weights_for, leaves)):
+            self._weights = None  # drop the stale copy before making the new one
+            self._weights = _unrolled_weights(graphdef, params)
+            self._weights_for = [weakref.ref(a) for a in leaves]
+        return graphdef, params, self._weights
 
     def _layout(self, rows: np.ndarray) -> "_Layout":
         return _Layout(rows, self.batch_size, self.row_buckets, self.compact)
@@ -407,12 +432,13 @@ class Sampler:
             out[i, width - len(s):] = s
         return out
 
-    @staticmethod
-    def _key(key, *, needed: bool) -> jax.Array:
+    def _key(self, key, *, needed: bool) -> jax.Array:
         if key is None:
             if needed:
                 raise ValueError("sampling (temperature > 0 and not greedy) needs a PRNG key: pass key=")
-            return jax.random.key(0)
+            if self._unused_key is None:
+                self._unused_key = jax.random.key(0)  # greedy calls: any key, made once
+            return self._unused_key
         if isinstance(key, (int, np.integer)):
             return jax.random.key(int(key))
         if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):

@@ -234,6 +234,30 @@ def test_context_full_never_truncates(setup):
     assert out.finish_reasons == ["context_full"] * 2 and [len(t) for t in out.tokens] == [0, 0]
 
 
+def test_parameter_updates_reach_the_next_call(setup):
+    """An optimizer step replaces the model's arrays; the next turn must use them (the CPU path
+    keeps an unrolled copy of the weights, which has to be re-made)."""
+    _, torch_model, cfg, sampler = setup
+    prompts = _prompts(cfg.vocab_size, seed=10)
+    model = sampler.model
+    before = sampler.generate(sampler.start(prompts), max_new_tokens=16, greedy=True).tokens
+    original = model.lm_head[...]
+    model.lm_head[...] = -original  # what an optimizer step does: a new array in the Param
+    try:
+        after = sampler.generate(sampler.start(prompts), max_new_tokens=16, greedy=True).tokens
+    finally:
+        model.lm_head[...] = original
+    with torch.no_grad():
+        torch_model.lm_head.weight.neg_()
+        try:
+            ref = _hf_greedy(torch_model, prompts, 16)
+        finally:
+            torch_model.lm_head.weight.neg_()
+    for i in range(B):
+        np.testing.assert_array_equal(after[i], ref[i])
+    assert any(not np.array_equal(a, b) for a, b in zip(before, after))
+
+
 def test_sharded_scanned_greedy_equals_single_device_unrolled(setup):
     directory, _, cfg, sampler = setup
     prompts = _prompts(cfg.vocab_size, seed=9)
