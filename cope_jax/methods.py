@@ -102,7 +102,7 @@ class LossConfig:
     rft_coef: float = 1.0
     echo_coef: float = 0.01
     progpo_scale: float = 0.3
-    logits_chunk_tokens: int | None = 1024  # tokens per logits chunk; None = full logits (benchmarks)
+    logits_chunk_tokens: int | None = 512   # tokens per logits chunk; None = full logits (benchmarks)
 
     def __post_init__(self):
         if self.aggregation not in losses.AGGREGATIONS:

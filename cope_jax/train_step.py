@@ -38,6 +38,7 @@ from cope_jax import logprobs as lp
 from cope_jax import losses
 from cope_jax.methods import POLICY_TERMS, LossConfig
 from cope_jax.packing import PackedBatch
+from models import qwen
 from models import sharding as shd
 
 
@@ -122,12 +123,21 @@ def loss_and_grads(model, batch: PackedBatch, coefs: dict, cfg: LossConfig, *, w
         grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
         return (grads, jax.tree.map(jnp.add, sums, metrics)), None
 
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    like_params = functools.partial(_like_params, mesh=mesh)
+    zeros = like_params(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
     _, metric_shapes = jax.eval_shape(one, params, batch.micro(0))
     sums0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes)
     (grads, sums), _ = jax.lax.scan(body, (zeros, sums0), batch)
-    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    grads = like_params(jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params))
     return sums["loss"], grads, sums
+
+
+def _like_params(tree, mesh):
+    """Shards a params-shaped tree (the float32 gradient accumulator) like the parameters, so it
+    is never replicated under FSDP."""
+    if mesh is None:
+        return tree
+    return jax.tree.map(jax.lax.with_sharding_constraint, tree, qwen.state_shardings(tree, mesh))
 
 
 def place_batch(batch: PackedBatch, mesh=None) -> PackedBatch:
@@ -170,11 +180,16 @@ def _compiled_logprobs(graphdef, cfg, mesh):
     return jax.jit(functools.partial(_logprobs, graphdef, cfg=cfg, mesh=mesh))
 
 
-def _committed(tree):
+def _committed(tree, mesh=None):
     """The same arrays committed to their current shardings (no copy when they already are):
     jit keys executables on committedness, so the policy and a freshly created reference model
-    would otherwise compile the same forward twice."""
-    return jax.device_put(tree, jax.tree.map(lambda a: a.sharding, tree))
+    would otherwise compile the same forward twice. Under a mesh, leaves created off the mesh
+    (e.g. the optimizer's step counter) are replicated on it."""
+    def target(a):
+        if mesh is not None and not isinstance(a.sharding, jax.sharding.NamedSharding):
+            return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        return a.sharding
+    return jax.device_put(tree, jax.tree.map(target, tree))
 
 
 # metrics that belong to a term; others (loss, tokens, grad_norm) are always reported
@@ -202,7 +217,8 @@ class Learner:
         self._graphdef, state = nnx.split((model, self.optimizer))
         # committed now, so the step's outputs (pinned to the same shardings) hit the executable
         # compiled for its first inputs
-        nnx.update((model, self.optimizer), _committed(state))
+        state = _committed(state, mesh)
+        nnx.update((model, self.optimizer), state)
         leaves, treedef = jax.tree.flatten(jax.tree.map(lambda a: a.sharding, state))
         self._shardings_key = (tuple(leaves), treedef)
 

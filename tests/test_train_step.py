@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import models
-from cope_jax import batching, methods, train_step
+from cope_jax import batching, logprobs, methods, train_step
 from cope_jax.advantages import forecast_weights
 from cope_jax.packing import pad_micro
 from cope_jax.trajectory import ForecastExample, Trajectory
@@ -242,6 +242,36 @@ def _regroup_rows(batch, seed):
     M, R, L = batch.shape
     perm = np.random.RandomState(seed).permutation(M * R)
     return jax.tree.map(lambda a: np.asarray(a).reshape(M * R, L)[perm].reshape(M, R, L), batch)
+
+
+def test_chunked_logprobs_match_full_logits():
+    """Odd lengths (chunks padded), packed segments, temperature: values and both gradients."""
+    rng = np.random.RandomState(3)
+    B, T, E, V = 3, 13, 8, 37
+    h = jnp.asarray(rng.randn(B, T, E), jnp.float32)
+    w = jnp.asarray(rng.randn(V, E), jnp.float32)
+    tokens = jnp.asarray(rng.randint(0, V, (B, T)))
+    seg = jnp.asarray([[1] * 5 + [2] * 8, [1] * 13, [1] * 7 + [0] * 6])
+    g_lp, g_ent = (jnp.asarray(rng.randn(B, T), jnp.float32) for _ in range(2))
+
+    def chunked(h, w):
+        lp, ent = logprobs.token_logprobs(h, w, tokens, seg, temperature=0.7, chunk_tokens=4 * B)
+        return jnp.sum(lp * g_lp) + jnp.sum(ent * g_ent), (lp, ent)
+
+    def full(h, w):
+        logp_all = jax.nn.log_softmax(h @ w.T / 0.7, axis=-1)
+        pred = jnp.take_along_axis(logp_all[:, :-1], tokens[:, 1:, None], axis=-1)[..., 0]
+        ent = -jnp.sum(jnp.exp(logp_all) * logp_all, -1)[:, :-1]
+        valid = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
+        lp = jnp.pad(jnp.where(valid, pred, 0), ((0, 0), (1, 0)))
+        ent = jnp.pad(jnp.where(valid, ent, 0), ((0, 0), (1, 0)))
+        return jnp.sum(lp * g_lp) + jnp.sum(ent * g_ent), (lp, ent)
+
+    (v1, out1), g1 = jax.jit(jax.value_and_grad(chunked, argnums=(0, 1), has_aux=True))(h, w)
+    (v2, out2), g2 = jax.jit(jax.value_and_grad(full, argnums=(0, 1), has_aux=True))(h, w)
+    for a, b in zip(out1 + g1, out2 + g2):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    assert np.asarray(out1[0])[2, 7:].max() == 0 and np.asarray(out1[0])[0, 5] == 0  # padding, segment start
 
 
 def test_packing_and_micro_batching_invariance(setup):

@@ -1,0 +1,246 @@
+"""python -m launch.bench --suite=loss: the fused train step, chunked logits next to full logits.
+
+Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocab
+151,936, tied embeddings) with random weights. Each step packs --loss_tokens tokens into rows of
+--loss_row_len (two GRPO trajectories per row, ~40% action tokens) as one micro-batch, with the
+policy terms pg + kl + entropy (the heaviest logits path: logp and entropy per token).
+
+JSON lines:
+- matmul_peak: best-of-5 FLOP/s of a square matmul in --loss_dtype, measured in this run; it is
+  measured again right before every timed line (`peak_tflops`), which is that line's MFU reference.
+- logits: the logits path alone (final hidden states -> GRPO loss -> gradients of the hidden states
+  and the lm_head), per variant. `temp_gb` is XLA's working set of the compiled path, `out_gb` its
+  outputs (the two gradients, which any step has), `peak_gb` = arguments + outputs + temp - aliased.
+- step: the whole train step (decoder forward and backward with full remat, loss, AdamW), per
+  variant, with the same memory fields.
+Time, tokens/s and MFU are measured (best of --loss_repeats, after a warm-up call unless
+--noloss_warmup) where the compiled
+peak fits in --loss_max_run_gb of host/device memory and, for the whole step, where the token count
+is in --loss_time_step_tokens; otherwise the line says why not (`skipped`). MFU counts model FLOPs
+(6 x matmul parameters x tokens, plus 12 x layers x heads x head_dim x row length x tokens for
+attention); the chunked path's recompute of the logits in the backward pass is overhead, not
+counted.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+from absl import flags
+
+flags.DEFINE_list("loss_tokens", ["4096", "16384"], "Tokens per step.")
+flags.DEFINE_integer("loss_row_len", 2048, "Packed row length (attention scores are [rows, H, L, L]).")
+flags.DEFINE_integer("loss_layers", 24, "Decoder layers (24 = Qwen2.5-0.5B).")
+flags.DEFINE_integer("loss_chunk_tokens", 512, "Tokens per logits chunk of the chunked variant.")
+flags.DEFINE_enum("loss_dtype", "float32", ["float32", "bfloat16"], "Compute and parameter dtype.")
+flags.DEFINE_integer("loss_repeats", 1, "Timed repeats; the best is reported.")
+flags.DEFINE_bool("loss_warmup", True, "One untimed call before the timed ones (compiles are always "
+                  "excluded: executables are compiled ahead of time).")
+flags.DEFINE_list("loss_parts", ["logits", "step"], "What to measure: logits, step.")
+flags.DEFINE_list("loss_time_step_tokens", ["4096"], "Token counts at which the whole step is timed "
+                  "(memory is reported at all of them); 'all' for every --loss_tokens.")
+flags.DEFINE_float("loss_max_run_gb", None, "Run only variants whose compiled peak is below this "
+                   "(default: 75% of the available host memory on CPU, the device's memory otherwise).")
+FLAGS = flags.FLAGS
+
+GB = 1024 ** 3
+VARIANTS = {"chunked": "chunk", "full": None}  # variant -> logits_chunk_tokens (None = full logits)
+TERMS = ("pg", "kl", "entropy")
+
+
+def _emit(**line):
+    print(json.dumps(line), flush=True)
+
+
+def _best(fn, repeats: int) -> float:
+    if FLAGS.loss_warmup:
+        fn()
+    times = []
+    for _ in range(max(1, repeats)):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def _memory(compiled) -> dict:
+    m = compiled.memory_analysis()
+    arg, out, temp = m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes
+    alias = getattr(m, "alias_size_in_bytes", 0)
+    return {"peak_gb": round((arg + out + temp - alias) / GB, 3), "temp_gb": round(temp / GB, 3),
+            "out_gb": round(out / GB, 3), "arg_gb": round(arg / GB, 3)}
+
+
+def _max_run_bytes() -> float:
+    import jax
+    if FLAGS.loss_max_run_gb is not None:
+        return FLAGS.loss_max_run_gb * GB
+    dev = jax.devices()[0]
+    stats = dev.memory_stats() if dev.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        return 0.9 * stats["bytes_limit"]
+    return 0.75 * os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def matmul_peak(dtype: str, emit: bool = True) -> float:
+    """Best-of-5 FLOP/s of an n x n matmul (n = 2048 on CPU, 8192 on accelerators)."""
+    import jax
+    import jax.numpy as jnp
+    n = 2048 if jax.default_backend() == "cpu" else 8192
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        f(a).block_until_ready()
+        times.append(time.perf_counter() - t)
+    flops = 2 * n ** 3 / min(times)
+    if emit:
+        _emit(bench="loss", kind="matmul_peak", backend=jax.default_backend(), dtype=dtype, n=n,
+              tflops=round(flops / 1e12, 4))
+    return flops
+
+
+def _timed(fn, flops: float, tokens: int) -> dict:
+    """Best-of time of fn, and MFU against a matmul peak re-measured right before it (on a shared
+    machine the peak drifts; the ratio is taken under the same conditions)."""
+    peak = matmul_peak(FLAGS.loss_dtype, emit=False)
+    seconds = _best(fn, FLAGS.loss_repeats)
+    return {"seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
+            "mfu": round(flops / seconds / peak, 4), "peak_tflops": round(peak / 1e12, 4)}
+
+
+def model_config(layers: int, dtype: str):
+    import models
+    return models.QwenConfig(family="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                             num_layers=layers, num_heads=14, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6,
+                             rope_theta=1e6, tie_word_embeddings=True, qkv_bias=True, qk_norm=False,
+                             dtype=dtype, param_dtype=dtype, scan_layers=True, remat="full")
+
+
+def packed_batch(tokens: int, row_len: int, vocab: int, seed: int = 0):
+    """[1 micro-batch, rows, row_len] of GRPO trajectories, two per row, with real loss weights."""
+    from cope_jax import losses
+    from cope_jax.packing import Segment, pack, split_micro
+
+    rng = np.random.RandomState(seed)
+    row_len = min(row_len, tokens)
+    rows = tokens // row_len
+    segs = []
+    for i in range(2 * rows):
+        n = row_len // 2
+        action = (np.arange(n) // 64) % 5 >= 3  # 64-token turns, 40% of them actions
+        action[0] = False
+        logp = -np.abs(rng.randn(n)).astype(np.float32)
+        segs.append(Segment(tokens=rng.randint(0, vocab, n), index=i, action_mask=action,
+                            old_logp=logp, ref_logp=logp + 0.1 * rng.randn(n).astype(np.float32),
+                            advantage=rng.choice([-1.0, 1.0]) * action))
+    counts = np.array([s.action_mask.sum() for s in segs], np.float32)
+    w = losses.sequence_token_weights(counts, "seq-mean-token-mean")
+    for s, wi in zip(segs, w):
+        s.pg_weight = wi * s.action_mask
+    packed, _ = pack(segs, row_len)
+    return split_micro(packed, rows)
+
+
+def model_flops(cfg, tokens: int, row_len: int) -> tuple[float, float]:
+    """(whole step, logits path) model FLOPs: 6 N T plus attention; 6 V E T for the head."""
+    E, H, K, D, F, V = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                        cfg.intermediate_size, cfg.vocab_size)
+    per_layer = E * H * D * 2 + 2 * E * K * D + 3 * E * F
+    head = 6.0 * V * E * tokens
+    attention = 12.0 * cfg.num_layers * H * D * row_len * tokens
+    return 6.0 * per_layer * cfg.num_layers * tokens + head + attention, head
+
+
+def bench_logits(cfg, batch, tokens: int, max_bytes: float):
+    import jax
+    import jax.numpy as jnp
+    from cope_jax import logprobs, losses
+
+    mb = jax.tree.map(lambda a: jnp.asarray(a[0]), batch)
+    R, L = mb.tokens.shape
+    E, V = cfg.hidden_size, cfg.vocab_size
+    key = jax.random.key(1)
+    h = (jax.random.normal(key, (R, L, E), jnp.float32)).astype(cfg.dtype)
+    w = (0.02 * jax.random.normal(jax.random.key(2), (V, E), jnp.float32)).astype(cfg.param_dtype)
+    _, flops = model_flops(cfg, tokens, L)
+    for variant, chunk in VARIANTS.items():
+        chunk = FLAGS.loss_chunk_tokens if chunk == "chunk" else None
+
+        def loss(h, w):
+            logp, ent = logprobs.token_logprobs(h, w, mb.tokens, mb.segment_ids, chunk_tokens=chunk)
+            pg, _ = losses.clipped_policy_loss(logp, mb.old_logp, mb.advantage, mb.pg_weight)
+            kl, _ = losses.low_var_kl(logp, mb.ref_logp, mb.pg_weight)
+            e, _ = losses.entropy_bonus(ent, mb.pg_weight)
+            return pg + 1e-3 * kl - 1e-3 * e
+
+        fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+        compiled = fn.lower(h, w).compile()
+        mem = _memory(compiled)
+        line = dict(bench="loss", kind="logits", variant=variant, tokens=tokens, rows=R, row_len=L,
+                    chunk_tokens=chunk, **mem)
+        if mem["peak_gb"] * GB > max_bytes:
+            _emit(**line, skipped=f"compiled peak {mem['peak_gb']} GB exceeds {max_bytes / GB:.1f} GB")
+            continue
+        _emit(**line, **_timed(lambda: jax.block_until_ready(compiled(h, w)), flops, tokens))
+
+
+def bench_step(cfg, batch, tokens: int, max_bytes: float, time_it: bool):
+    import gc
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import models
+    from cope_jax import methods, train_step
+
+    R, L = batch.tokens.shape[1:]
+    flops, _ = model_flops(cfg, tokens, L)
+    model = models.create_model(cfg, seed=0)
+    for variant, chunk in VARIANTS.items():
+        chunk = FLAGS.loss_chunk_tokens if chunk == "chunk" else None
+        loss_cfg = methods.LossConfig(logits_chunk_tokens=chunk)
+        learner = train_step.Learner(model, loss_cfg)
+        state = nnx.state((learner.model, learner.optimizer))
+        coefs = {t: jnp.float32(c) for t, c in loss_cfg.coefficients(TERMS).items()}
+        placed = train_step.place_batch(batch)
+        compiled = learner._step_fn(True).lower(state, placed, coefs).compile()
+        mem = _memory(compiled)
+        line = dict(bench="loss", kind="step", variant=variant, tokens=tokens, rows=R, row_len=L,
+                    layers=cfg.num_layers, dtype=cfg.dtype, remat=cfg.remat, chunk_tokens=chunk, **mem)
+        if not time_it:
+            _emit(**line, skipped="not in --loss_time_step_tokens")
+        elif mem["peak_gb"] * GB > max_bytes:
+            _emit(**line, skipped=f"compiled peak {mem['peak_gb']} GB exceeds {max_bytes / GB:.1f} GB")
+        else:
+            def one_step():
+                nonlocal state
+                state, metrics = compiled(state, placed, coefs)  # donates and replaces the state
+                jax.block_until_ready(metrics)
+
+            _emit(**line, **_timed(one_step, flops, tokens))
+            nnx.update((learner.model, learner.optimizer), state)  # the model's arrays were donated
+        del learner, state, compiled
+        gc.collect()
+
+
+def run(argv: list[str]) -> None:
+    del argv
+    import jax
+    matmul_peak(FLAGS.loss_dtype)
+    cfg = model_config(FLAGS.loss_layers, FLAGS.loss_dtype)
+    max_bytes = _max_run_bytes()
+    timed = FLAGS.loss_time_step_tokens
+    for tokens in (int(t) for t in FLAGS.loss_tokens):
+        batch = packed_batch(tokens, FLAGS.loss_row_len, cfg.vocab_size)
+        tokens = batch.tokens.size  # whole rows
+        if "logits" in FLAGS.loss_parts:
+            bench_logits(cfg, batch, tokens, max_bytes)
+        if "step" in FLAGS.loss_parts:
+            bench_step(cfg, batch, tokens, max_bytes, time_it="all" in timed or str(tokens) in timed)
+    jax.clear_caches()
