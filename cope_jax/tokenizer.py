@@ -173,9 +173,12 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int = 512, name: str =
     """
     import sentencepiece as spm
 
+    texts = [t for t in texts if t]
+    # room for the 256 byte pieces, every character seen, the specials, newline and <unk>
+    vocab_size = max(vocab_size, 256 + len(set("".join(texts))) + len(DEMO_SPECIALS) + 2)
     proto = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter([t for t in texts if t]), model_writer=proto, vocab_size=vocab_size,
+        sentence_iterator=iter(texts), model_writer=proto, vocab_size=vocab_size,
         model_type="bpe", byte_fallback=True, user_defined_symbols=list(DEMO_SPECIALS) + ["\n"],
         add_dummy_prefix=False, normalization_rule_name="identity", remove_extra_whitespaces=False,
         split_digits=True, pad_id=-1, bos_id=-1, eos_id=-1, unk_id=0, hard_vocab_limit=False,

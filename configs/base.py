@@ -1,0 +1,60 @@
+"""The paper's settings (Tables 9-11, SPEC 2-5), shared by every environment config.
+
+A config file `configs/<env>.py` exposes `get_config(method)`, so each (environment, method) pair is
+one addressable config: `--config=configs/sciworld.py:cope`. Fields can be overridden on the command
+line (`--config.train.learning_rate=3e-6`).
+"""
+from __future__ import annotations
+
+import ml_collections
+
+METHODS = ("grpo", "cope", "cope_k0", "sft_success", "echo", "rft", "progpo", "cope+progpo")
+
+
+def base_config(method: str = "cope") -> ml_collections.ConfigDict:
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+    c = ml_collections.ConfigDict()
+    c.method = method
+    c.seed = 0
+
+    # the policy: an HF or Orbax directory, or `init='random'` with the architecture below
+    c.model = ml_collections.ConfigDict(dict(
+        path="",  # HF or Orbax directory (e.g. a converted Qwen2.5-7B-Instruct)
+        init="pretrained",  # 'pretrained' (load `path`) | 'random'
+        dtype="bfloat16", param_dtype="float32", scan_layers=True, remat="dots",
+        # architecture, used only when init='random'
+        family="qwen3", vocab_size=0, hidden_size=0, intermediate_size=0, num_layers=0,
+        num_heads=0, num_kv_heads=0, head_dim=0, tie_word_embeddings=True, rope_theta=1e6,
+    ))
+    c.tokenizer = "qwen2.5"  # 'qwen2.5' | 'qwen3' | an HF tokenizer dir | a SentencePiece .model | 'model'
+    c.chat_style = "qwen2.5"  # cope_jax/chat.py STYLES
+    c.mesh = (1, -1, 1)  # (data, fsdp, tp); -1 = all remaining devices
+
+    c.env = ml_collections.ConfigDict(dict(
+        family="", workers=8, train_split="train", eval_split="test",
+        max_rounds_train=20, max_rounds_eval=30, call_timeout=0.0,  # 0: the family's default
+    ))
+    c.rollout = ml_collections.ConfigDict(dict(
+        tasks_per_step=16, group_size=8,  # train batch: 16 tasks x 8 rollouts
+        max_turn_tokens=512, temperature=1.0, top_p=1.0, top_k=0,
+        max_len=16384,  # tokens per episode (Table 9 "maximum model length")
+        sampler_rows=128,  # concurrent episodes in the sampler
+        sync=False,  # lockstep rounds: bit-reproducible rollouts, no env/decode overlap
+    ))
+    c.train = ml_collections.ConfigDict(dict(
+        steps=100, learning_rate=1e-6, weight_decay=0.01, clip_norm=1.0, b1=0.9, b2=0.999,
+        minibatch_tasks=2,  # PPO mini-batch in tasks (Table 9: 2 or 8 tasks' worth)
+        row_len=16384, rows_per_micro=1,  # packing: [rows, row_len] per micro-batch
+        clip_low=0.2, clip_high=0.2, dual_clip=0.0,  # dual clip c (0 = off; SPEC: 3.0 when on)
+        kl_coef=1e-3, entropy_coef=1e-3, agg_mode="seq-mean-token-mean",
+        af_coef=0.01, af_mode="joint", af_norm="success_groups", horizon=-1,  # -1: the method's K
+        echo_coef=0.01, rft_coef=1.0, skip_invalid=False, skip_no_call=False,
+        progpo_scale=0.3, logprob_chunk=2048,
+    ))
+    # optional supervised warm start on expert demonstrations (the demo uses it)
+    c.warmstart = ml_collections.ConfigDict(dict(steps=0, learning_rate=1e-4, batch_episodes=16, tasks=0))
+    c.eval = ml_collections.ConfigDict(dict(every=10, tasks=0, samples=1, temperature=1.0, greedy=False))
+    c.checkpoint = ml_collections.ConfigDict(dict(every=10, keep=3))
+    c.log_every = 1
+    return c

@@ -1,0 +1,28 @@
+"""The embedded demo: a tiny Qwen3-shaped model learns the built-in environment on a CPU.
+
+Stage 1 warm-starts it on expert demonstrations (supervised); stage 2 runs CoPE (GRPO + action
+forecasting) from there. Everything is local: the tokenizer is a small SentencePiece model trained
+on the environment's own text, the model is randomly initialised. The paper's learning rate (1e-6)
+is for a 7B model; this tiny model uses a larger one, and λ is raised so the forecasting term is
+visible at this scale. Method variants: `configs/demo.py:grpo` etc.
+"""
+from configs.base import base_config
+
+
+def get_config(method: str = "cope"):
+    c = base_config(method)
+    c.seed = 0
+    c.model.update(init="random", family="qwen3", hidden_size=128, intermediate_size=384, num_layers=4,
+                   num_heads=4, num_kv_heads=2, head_dim=32, tie_word_embeddings=True, rope_theta=1e4,
+                   dtype="float32", param_dtype="float32", remat="none")
+    c.tokenizer = "sentencepiece:512"
+    c.chat_style = "plain"
+    c.env.update(family="builtin", workers=2, max_rounds_train=15, max_rounds_eval=15)
+    c.rollout.update(tasks_per_step=8, group_size=8, max_turn_tokens=24, max_len=1024, sampler_rows=64,
+                     sync=True)
+    c.train.update(steps=30, learning_rate=1e-4, minibatch_tasks=4, row_len=2048, rows_per_micro=8,
+                   af_coef=0.1, logprob_chunk=1024)
+    c.warmstart.update(steps=40, learning_rate=1e-3, batch_episodes=32, tasks=256)
+    c.eval.update(every=10, tasks=0, samples=2, temperature=1.0)
+    c.checkpoint.update(every=5, keep=2)
+    return c

@@ -1,0 +1,62 @@
+"""The two jobs behind `launch.train` and `launch.eval`, callable without absl flags."""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from cope_jax import metrics as metrics_lib
+
+
+def train_run(config, workdir: str, *, progress: bool = True) -> dict[str, Any]:
+    """Warm start (once per workdir), the starting policy's evaluation (once), then the RL stage
+    (resumed from the newest checkpoint). Returns the last evaluation summary."""
+    from cope_jax.trainer import Trainer
+
+    trainer = Trainer(config, workdir)
+    try:
+        trainer.warmstart()
+        if config.eval.every and 0 not in metrics_lib.latest_records(metrics_lib.read_log(trainer.workdir), "eval"):
+            s = trainer.evaluate(0)
+            print(f"step 0 (start of RL): succ {s['succ']:.3f} score {s['score']:.3f}", file=sys.stderr)
+        return trainer.train(progress=progress)
+    finally:
+        trainer.close()
+
+
+def eval_run(config, workdir: str, *, checkpoint: int | None = None, split: str | None = None,
+             samples: int | None = None, tasks: int | None = None) -> dict[str, Any]:
+    """Evaluates one checkpoint of a run (default: the newest; 0: the starting policy) and writes
+    eval.json, eval.md and learning_curves.png next to the run's logged evaluations."""
+    from flax import nnx
+
+    from cope_jax.checkpoint import TrainCheckpointer
+    from cope_jax.trainer import CHECKPOINT_DIR, Trainer
+
+    if not os.path.isfile(os.path.join(workdir, "config.json")):
+        raise FileNotFoundError(f"{workdir} is not a run directory (no config.json); run launch.train first")
+    trainer = Trainer(config, workdir)
+    try:
+        trainer.warmstart()  # loads the warm-start params when the run has them
+        ckpt = TrainCheckpointer(os.path.join(trainer.workdir, CHECKPOINT_DIR))
+        step = checkpoint if checkpoint is not None else (ckpt.latest_step() or 0)
+        if step:
+            _, state, _, _ = ckpt.restore(step, abstract_state={"params": nnx.state(trainer.model, nnx.Param)})
+            nnx.update(trainer.model, state["params"])
+        ckpt.close()
+        summary = trainer.evaluate(step, split=split, samples=samples, tasks=tasks, name="eval_binary")
+        logged = metrics_lib.latest_records(metrics_lib.read_log(trainer.workdir), "eval")
+        results = {f"step_{s}": _from_record(r) for s, r in sorted(logged.items())}
+        results[f"checkpoint_{step}"] = summary
+        meta = {"config": config.env.family + ":" + config.method, "checkpoint": step,
+                "split": summary["split"], "samples": summary["samples"]}
+        paths = metrics_lib.write_eval_report(trainer.workdir, results, meta)
+        return {"checkpoint": step, "succ": summary["succ"], "score": summary["score"],
+                "episodes": summary["episodes"], **paths}
+    finally:
+        trainer.close()
+
+
+def _from_record(r: dict) -> dict:
+    fams = {k.split("/", 1)[1]: {"succ": v} for k, v in r.items() if k.startswith("succ/")}
+    return {"score": r["score"], "succ": r["succ"], "episodes": r["episodes"], "families": fams}

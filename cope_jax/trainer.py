@@ -1,0 +1,352 @@
+"""The CoPE training run: setup, optional supervised warm start, the RL loop, evaluation, resume.
+
+One RL step (SPEC 2-4):
+  1. take the next `tasks_per_step` train tasks from a seeded, checkpointed grain iterator;
+  2. roll out `group_size` episodes per task (`cope_jax/rollout.py`; group = the rollouts of a task);
+  3. build forecasting / imitation examples from the successful ones when the method has them
+     (`cope_jax/forecasting.py`);
+  4. advantages and PPO mini-batches of packed rows (`cope_jax/batching.py`), one AdamW step per
+     mini-batch (`cope_jax/train_step.py: Learner`), `old_logp` from the rollout policy and
+     `ref_logp` from the frozen reference (the policy the RL stage started from);
+  5. log, checkpoint every `checkpoint.every` steps, evaluate every `eval.every` steps.
+
+Everything a step depends on is either in the checkpoint (params, optimizer state, RNG key, data
+iterator state) or a pure function of the step number (the rollout key), so a killed run resumed
+from its workdir continues exactly; with `rollout.sync` the rollouts themselves are bit-reproducible.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any
+
+import grain
+import jax
+import ml_collections
+import numpy as np
+from flax import nnx
+
+import models
+from models import orbax_io
+from cope_jax import metrics as metrics_lib
+from cope_jax.batching import build_minibatches
+from cope_jax.chat import ChatFormat
+from cope_jax.checkpoint import TrainCheckpointer
+from cope_jax.demos import expert_trajectories
+from cope_jax.forecasting import ForecastConfig, build_examples
+from cope_jax.methods import METHODS, LossConfig, get_method
+from cope_jax.packing import pad_micro
+from cope_jax.rollout import RolloutConfig, RolloutRunner
+from cope_jax.sampler import Sampler
+from cope_jax.tokenizer import load_tokenizer, train_sentencepiece
+from cope_jax.train_step import Learner, OptimizerConfig
+from envs.pool import EnvPool
+from envs.registry import make_family
+
+WARMSTART_DIR = "warmstart"
+CHECKPOINT_DIR = "checkpoints"
+TOKENIZER_FILE = "tokenizer.model"
+
+
+class Trainer:
+    """Owns the policy, sampler, environment pool, learner and logs of one run in `workdir`."""
+
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+        self.config, self.workdir = config, os.path.abspath(workdir)
+        os.makedirs(self.workdir, exist_ok=True)
+        self.is_main = jax.process_index() == 0
+        self._check_config_file()
+        c = config
+        horizon = None if c.train.horizon < 0 else int(c.train.horizon)
+        self.spec = get_method(c.method, horizon=horizon)
+        self.loss_cfg = LossConfig(
+            clip_low=c.train.clip_low, clip_high=c.train.clip_high, dual_clip=c.train.dual_clip or None,
+            kl_coef=c.train.kl_coef, entropy_coef=c.train.entropy_coef, temperature=c.rollout.temperature,
+            aggregation=c.train.agg_mode, af_coef=c.train.af_coef, af_normalization=c.train.af_norm,
+            af_mode=c.train.af_mode, rft_coef=c.train.rft_coef, echo_coef=c.train.echo_coef,
+            progpo_scale=c.train.progpo_scale, logits_chunk_tokens=c.train.logprob_chunk)
+        self.opt_cfg = OptimizerConfig(learning_rate=c.train.learning_rate, b1=c.train.b1, b2=c.train.b2,
+                                       weight_decay=c.train.weight_decay, clip_norm=c.train.clip_norm)
+        self.family = make_family(c.env.family)
+        self.tokenizer = self._tokenizer()
+        self.chat = ChatFormat(self.tokenizer, c.chat_style)
+        self.mesh = _mesh(tuple(c.mesh))
+        self.model = self._model()
+        self.sampler = Sampler(self.model, batch_size=c.rollout.sampler_rows, max_len=c.rollout.max_len,
+                               eos_ids=self.tokenizer.eos_ids)
+        timeout = c.env.call_timeout or None
+        self.pool = EnvPool({c.env.family: c.env.workers}, call_timeout=timeout)
+        self.log = metrics_lib.MetricsLog(self.workdir, enabled=self.is_main)
+        self.forecast_cfg = None
+        if self.spec.forecast is not None:
+            self.forecast_cfg = ForecastConfig(
+                kind=self.spec.forecast, horizon=self.spec.horizon,
+                layout="tau2" if getattr(self.family, "chat_layout", "react") == "tool_calling" else "react",
+                skip_invalid=c.train.skip_invalid, skip_no_call=c.train.skip_no_call,
+                invalid_message=self.family.invalid_action_message)
+
+    # -- setup ------------------------------------------------------------------------------------
+    def _check_config_file(self) -> None:
+        """A workdir belongs to one config: resuming with a different one is refused."""
+        path = os.path.join(self.workdir, "config.json")
+        current = json.loads(self.config.to_json())
+        if os.path.isfile(path):
+            with open(path) as f:
+                saved = json.load(f)
+            if saved != current:
+                diff = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+                raise ValueError(f"{self.workdir} holds a run with a different config (sections {diff}); "
+                                 "use a new --workdir or the same config")
+        elif self.is_main:
+            with open(path, "w") as f:
+                json.dump(current, f, indent=2, sort_keys=True)
+
+    def _tokenizer(self):
+        spec = self.config.tokenizer
+        if spec == "model":
+            return load_tokenizer(self.config.model.path)
+        if not spec.startswith("sentencepiece:"):
+            return load_tokenizer(spec)
+        path = os.path.join(self.workdir, TOKENIZER_FILE)
+        if os.path.isfile(path):
+            return load_tokenizer(path)
+        # a small tokenizer trained on the environment's own text (the demo's tiny model)
+        tok = train_sentencepiece(_corpus(self.family, self.config), vocab_size=int(spec.split(":")[1]))
+        if self.is_main:
+            tok.save(path)
+        return tok
+
+    def _model(self):
+        m = self.config.model
+        execution = dict(param_dtype=m.param_dtype, scan_layers=m.scan_layers, remat=m.remat)
+        if m.init == "random":
+            cfg = models.QwenConfig(
+                family=m.family, vocab_size=m.vocab_size or self.tokenizer.vocab_size,
+                hidden_size=m.hidden_size, intermediate_size=m.intermediate_size, num_layers=m.num_layers,
+                num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, rms_norm_eps=1e-6,
+                rope_theta=m.rope_theta, tie_word_embeddings=m.tie_word_embeddings,
+                qkv_bias=m.family == "qwen2", qk_norm=m.family == "qwen3", dtype=m.dtype, **execution)
+            return models.create_model(cfg, seed=self.config.seed, mesh=self.mesh)
+        if not m.path:
+            raise ValueError("config.model.path is empty: give an HF or Orbax directory (or model.init='random')")
+        model, _ = models.load_model(m.path, dtype=m.dtype, mesh=self.mesh, **execution)
+        return model
+
+    def runner(self, split: str) -> RolloutRunner:
+        c = self.config
+        rounds = c.env.max_rounds_train if split == "train" else c.env.max_rounds_eval
+        train = split == "train"
+        cfg = RolloutConfig(max_rounds=rounds, max_turn_tokens=c.rollout.max_turn_tokens,
+                            temperature=c.rollout.temperature if train else c.eval.temperature,
+                            top_p=c.rollout.top_p, top_k=c.rollout.top_k,
+                            greedy=False if train else c.eval.greedy, sync=c.rollout.sync)
+        return RolloutRunner(self.sampler, self.pool, c.env.family, self.family, self.chat, cfg)
+
+    def task_iterator(self):
+        ids = self.family.task_ids(self.config.env.train_split)
+        ds = (grain.MapDataset.source(list(ids)).shuffle(seed=self.config.seed).repeat()
+              .batch(self.config.rollout.tasks_per_step).to_iter_dataset())
+        return iter(ds)
+
+    # -- stages -----------------------------------------------------------------------------------
+    def warmstart(self) -> dict[str, Any] | None:
+        """Supervised warm start on expert demonstrations; done once per workdir (then reloaded)."""
+        ws = self.config.warmstart
+        if ws.steps <= 0:
+            return None
+        directory = os.path.join(self.workdir, WARMSTART_DIR)
+        if os.path.isdir(directory):
+            loaded, _ = models.load_model(directory, dtype=self.config.model.dtype, mesh=self.mesh,
+                                          param_dtype=self.config.model.param_dtype,
+                                          scan_layers=self.config.model.scan_layers, remat=self.config.model.remat)
+            nnx.update(self.model, nnx.state(loaded, nnx.Param))
+            return None
+        ids = self.family.task_ids(self.config.env.train_split)
+        ids = ids[:ws.tasks] if ws.tasks else ids
+        demos = expert_trajectories(self.runner("train"), ids, max_rounds=self.config.env.max_rounds_train)
+        if not demos:
+            raise RuntimeError("the expert solved no warm-start task")
+        learner = Learner(self.model, dataclasses.replace(self.loss_cfg, rft_coef=1.0),
+                          dataclasses.replace(self.opt_cfg, learning_rate=ws.learning_rate), mesh=self.mesh)
+        rng = np.random.RandomState(self.config.seed)
+        spec = METHODS["rft"]
+        t0 = time.time()
+        for step in range(ws.steps):
+            pick = rng.choice(len(demos), min(ws.batch_episodes, len(demos)), replace=False)
+            batch = [dataclasses.replace(demos[i], group_id=j) for j, i in enumerate(pick)]
+            mbs, _ = build_minibatches(batch, [], spec, learner.cfg, groups_per_minibatch=len(batch),
+                                       row_len=self.config.train.row_len,
+                                       rows_per_micro=self.config.train.rows_per_micro)
+            out = learner.train(_bucketed(mbs))
+            if (step + 1) % max(1, ws.steps // 20) == 0 or step + 1 == ws.steps:
+                self.log.write("warmstart", step + 1, {"rft_loss": float(np.mean([m["loss"] for m in out])),
+                                                        "demos": len(demos), "seconds": time.time() - t0})
+        orbax_io.save_orbax(self.model, directory)  # every process writes its shards
+        return {"demos": len(demos), "seconds": time.time() - t0}
+
+    def evaluate(self, step: int, *, split: str | None = None, samples: int | None = None,
+                 tasks: int | None = None, name: str = "eval") -> dict[str, Any]:
+        c = self.config
+        split = split or c.env.eval_split
+        samples = samples or c.eval.samples
+        ids = self.family.task_ids(split)
+        n = tasks if tasks is not None else c.eval.tasks
+        ids = ids[:n] if n else ids
+        plan = [(t, g) for g, t in enumerate(ids) for _ in range(samples)]
+        key = jax.random.fold_in(jax.random.key(c.seed + 1), step)
+        trajs, stats = self.runner("eval").run(plan, key)
+        summary = metrics_lib.summarize(trajs, overall=getattr(self.family, "overall", "count-weighted"))
+        summary.update(split=split, samples=samples, tasks=len(ids), seconds=stats.wall_s)
+        self.log.write(name, step, {k: v for k, v in summary.items() if not isinstance(v, dict)}
+                       | {f"succ/{f}": v["succ"] for f, v in summary["families"].items()})
+        return summary
+
+    def train(self, progress: bool = True) -> dict[str, Any]:
+        """The RL stage; resumes from the newest checkpoint in the workdir."""
+        c = self.config
+        needs_ref = "kl" in self.spec.terms and c.train.kl_coef != 0
+        # the policy RL starts from; its own buffers (the learner donates the policy's)
+        ref_model = _copy_model(self.model) if needs_ref else None
+        learner = Learner(self.model, self.loss_cfg, self.opt_cfg, mesh=self.mesh)
+        tasks_it = self.task_iterator()
+        base_key = jax.random.key(c.seed)
+        ckpt = TrainCheckpointer(os.path.join(self.workdir, CHECKPOINT_DIR), keep=c.checkpoint.keep)
+        start = 0
+        if ckpt.latest_step() is not None:
+            state = {"params": nnx.state(self.model, nnx.Param), "optimizer": nnx.state(learner.optimizer),
+                     "rng": base_key}
+            start, state, data_state, _ = ckpt.restore(abstract_state=state)
+            nnx.update(self.model, state["params"])
+            nnx.update(learner.optimizer, state["optimizer"])
+            base_key = state["rng"]
+            tasks_it.set_state(data_state)
+        train_runner = self.runner("train")
+        bar = _progress(start, c.train.steps, enabled=progress and self.is_main)
+        summary: dict[str, Any] = {}
+        for step in range(start, c.train.steps):
+            t0 = time.time()
+            task_ids = [int(t) for t in next(tasks_it)]
+            plan = [(t, step * len(task_ids) + i) for i, t in enumerate(task_ids) for _ in range(c.rollout.group_size)]
+            trajs, rstats = train_runner.run(plan, jax.random.fold_in(base_key, step))
+            t1 = time.time()
+            examples = build_examples(trajs, self.chat, self.forecast_cfg) if self.forecast_cfg else []
+            mbs, host = build_minibatches(trajs, examples, self.spec, self.loss_cfg,
+                                          groups_per_minibatch=c.train.minibatch_tasks,
+                                          row_len=c.train.row_len, rows_per_micro=c.train.rows_per_micro)
+            step_metrics = learner.train(_bucketed(mbs), ref_model) if mbs else []
+            t2 = time.time()
+            record = _step_record(trajs, step_metrics, host, examples, rstats, mbs, t1 - t0, t2 - t1)
+            self.log.write("train", step + 1, record)
+            bar.update(record)
+            if (step + 1) % c.checkpoint.every == 0 or step + 1 == c.train.steps:
+                state = {"params": nnx.state(self.model, nnx.Param), "optimizer": nnx.state(learner.optimizer),
+                         "rng": base_key}
+                ckpt.save(step + 1, state, data_state=tasks_it.get_state(), config=json.loads(c.to_json()))
+            if c.eval.every and ((step + 1) % c.eval.every == 0 or step + 1 == c.train.steps):
+                summary = self.evaluate(step + 1)
+                bar.note(f"eval step {step + 1}: succ {summary['succ']:.3f} score {summary['score']:.3f}")
+        ckpt.wait()
+        ckpt.close()
+        bar.close()
+        return summary
+
+    def close(self) -> None:
+        self.pool.close()
+        self.log.close()
+
+
+def _bucketed(minibatches):
+    """Pads each mini-batch to a power-of-two number of micro-batches, so a run compiles the step
+    for a handful of shapes instead of one per distinct batch size."""
+    for mb in minibatches:
+        n = mb.batch.num_micro
+        mb.batch = pad_micro(mb.batch, 1 << (n - 1).bit_length())
+    return minibatches
+
+
+def _copy_model(model):
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, jax.tree.map(lambda a: a.copy(), state))
+
+
+def _mesh(shape: tuple[int, ...]):
+    """The (data, fsdp, tp) mesh of `config.mesh`; -1 takes the remaining devices. A mesh of one
+    device means no mesh (plain single-device arrays)."""
+    n = jax.device_count()
+    shape = list(shape)
+    if shape.count(-1) > 1:
+        raise ValueError(f"config.mesh {tuple(shape)}: at most one -1")
+    if -1 in shape:
+        rest = int(np.prod([s for s in shape if s != -1]))
+        if n % rest:
+            raise ValueError(f"config.mesh {tuple(shape)} does not divide {n} devices")
+        shape[shape.index(-1)] = n // rest
+    size = int(np.prod(shape))
+    if size > n:
+        raise ValueError(f"config.mesh {tuple(shape)} needs {size} devices, have {n}")
+    return None if size == 1 else models.make_mesh(tuple(shape), devices=jax.devices()[:size])
+
+
+def _corpus(family, config) -> list[str]:
+    """Text the demo tokenizer is trained on: the prompts and expert episodes of train tasks."""
+    texts = [family.instruction(), family.acknowledgement(), family.invalid_action_message]
+    live = make_family(config.env.family)
+    for t in family.task_ids(config.env.train_split)[:200]:
+        obs, _ = live.reset(t)
+        texts.append(obs)
+        for a in family.expert_actions(t):
+            texts.append(f"Action: {a}")
+            obs, _, done, _ = live.step(a)
+            texts.append(obs)
+            if done:
+                break
+    live.close()
+    return texts
+
+
+def _step_record(trajs, step_metrics, host, examples, rstats, mbs, rollout_s, train_s) -> dict[str, float]:
+    n = max(1, len(trajs))
+    rec = {"succ": float(np.mean([t.success for t in trajs])) if trajs else 0.0,
+           "score": float(np.mean([t.score for t in trajs])) if trajs else 0.0,
+           "mean_steps": sum(t.num_steps for t in trajs) / n,
+           "context_full": sum(t.finish_reason == "context_full" for t in trajs) / n,
+           "af_examples": float(len(examples)), "minibatches": float(len(mbs)),
+           "rollout_s": rollout_s, "train_s": train_s,
+           "gen_tokens_per_s": rstats.generated_tokens / max(rstats.wall_s, 1e-9),
+           "env_steps_per_s": rstats.env_steps / max(rstats.wall_s, 1e-9),
+           **{k: float(v) for k, v in host.items()}}
+    tokens = sum(float(m.batch.segment_ids.astype(bool).sum()) for m in mbs)
+    rec["train_tokens_per_s"] = tokens / max(train_s, 1e-9)
+    if step_metrics:
+        for k in step_metrics[0]:
+            rec[k] = float(np.mean([m[k] for m in step_metrics if k in m]))
+    return rec
+
+
+class _progress:
+    """tqdm bar with the live metrics (success, reward, AF loss, KL, entropy, throughput)."""
+
+    KEYS = (("succ", "succ"), ("score", "rew"), ("af_loss", "af"), ("kl", "kl"), ("entropy", "ent"),
+            ("train_tokens_per_s", "tok/s"), ("env_steps_per_s", "env/s"))
+
+    def __init__(self, start: int, total: int, enabled: bool):
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, desc="RL", dynamic_ncols=True)
+
+    def update(self, record: dict) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix({short: f"{record[k]:.3g}" for k, short in self.KEYS if k in record})
+            self.bar.update(1)
+
+    def note(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

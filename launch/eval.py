@@ -1,0 +1,39 @@
+"""python -m launch.eval --config=... --workdir=DIR [--checkpoint=STEP] [--split=test] [--samples=k]
+
+Evaluates a run's checkpoint (default: the newest; 0 = the policy RL started from, i.e. the warm
+start or the pretrained model) on a split: Score and Succ per sub-task family and overall, Avg@k
+over k samples per task. Writes DIR/eval.json, DIR/eval.md and DIR/learning_curves.png, next to the
+run's logged evaluations.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from absl import app, flags
+from ml_collections import config_flags
+
+config_flags.DEFINE_config_file("config", None, "The run's config file.", lock_config=True)
+flags.DEFINE_string("workdir", None, "The run directory (as given to launch.train).")
+flags.DEFINE_integer("checkpoint", None, "Checkpoint step; default: the newest; 0: the starting policy.",
+                     lower_bound=0)
+flags.DEFINE_string("split", None, "Task split (default: the config's eval split).")
+flags.DEFINE_integer("samples", None, "Samples per task (Avg@k).", lower_bound=1)
+flags.DEFINE_integer("tasks", None, "Evaluate only the first N tasks of the split.", lower_bound=1)
+flags.mark_flags_as_required(["config", "workdir"])
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not os.path.isfile(os.path.join(FLAGS.workdir, "config.json")):
+        raise app.UsageError(f"{FLAGS.workdir} is not a run directory (no config.json); run launch.train first")
+    from cope_jax.runs import eval_run
+
+    print(json.dumps(eval_run(FLAGS.config, FLAGS.workdir, checkpoint=FLAGS.checkpoint, split=FLAGS.split,
+                              samples=FLAGS.samples, tasks=FLAGS.tasks)))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,34 @@
+"""python -m launch.train --config=configs/<env>.py:<method> --workdir=DIR [--config.x.y=v ...]
+
+Runs the optional supervised warm start, then the RL stage of the configured method, with periodic
+evaluation, Orbax checkpoints and automatic resume from --workdir (rerun the same command after a
+crash). Logs go to DIR/metrics.jsonl and DIR/tensorboard.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from absl import app, flags
+from ml_collections import config_flags
+
+config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/demo.py or configs/sciworld.py:cope.",
+                                lock_config=True)
+flags.DEFINE_string("workdir", None, "Run directory (created; an existing one is resumed).")
+flags.DEFINE_bool("progress", True, "Show the console progress bar.")
+flags.mark_flags_as_required(["config", "workdir"])
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from cope_jax.runs import train_run
+
+    final = train_run(FLAGS.config, FLAGS.workdir, progress=FLAGS.progress)
+    print(json.dumps({"workdir": os.path.abspath(FLAGS.workdir),
+                      "final_eval": {k: final.get(k) for k in ("succ", "score", "episodes")}}))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,85 @@
+"""The rollout loop on the built-in environment: token-exact trajectories (SPEC 1)."""
+import jax
+import numpy as np
+import pytest
+
+import models
+from cope_jax.chat import ChatFormat
+from cope_jax.rollout import RolloutConfig, RolloutRunner
+from cope_jax.sampler import Sampler
+from cope_jax.tokenizer import IM_END, IM_START, train_sentencepiece
+from envs.pool import EnvPool
+from envs.registry import make_family
+
+FAMILY = make_family("builtin")
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tok = train_sentencepiece([FAMILY.instruction(), "Action: go north", "You see a key."] * 5, vocab_size=300)
+    chat = ChatFormat(tok, "plain")
+    cfg = models.QwenConfig(family="qwen3", vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
+                            num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, rms_norm_eps=1e-6,
+                            rope_theta=1e4, tie_word_embeddings=True, qkv_bias=False, qk_norm=True)
+    sampler = Sampler(models.create_model(cfg, seed=1), batch_size=4, max_len=1024, eos_ids=tok.eos_ids)
+    with EnvPool({"builtin": 2}) as pool:
+        yield tok, chat, sampler, pool
+
+
+class Recorder:
+    """Wraps a sampler and records what each generate call returned, per row."""
+
+    def __init__(self, sampler):
+        self.sampler, self.calls = sampler, []
+
+    def __getattr__(self, name):
+        return getattr(self.sampler, name)
+
+    def generate(self, state, rows, *args, **kw):
+        out = self.sampler.generate(state, rows, *args, **kw)
+        self.calls.append(out)
+        return out
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_trajectories_hold_exactly_the_sampled_ids(setup, sync):
+    tok, chat, sampler, pool = setup
+    rec = Recorder(sampler)
+    runner = RolloutRunner(rec, pool, "builtin", FAMILY, chat,
+                           RolloutConfig(max_rounds=3, max_turn_tokens=6, sync=sync))
+    tasks = [(t, g) for g, t in enumerate(FAMILY.task_ids("train")[:3]) for _ in range(2)]  # 6 > 4 rows
+    trajs, stats = runner.run(tasks, jax.random.key(3))
+    assert len(trajs) == 6 and stats.generated_tokens > 0
+    sampled = sorted(tuple(t.tolist()) for call in rec.calls for t in call.tokens)
+    in_trajs = []
+    for t in trajs:
+        assert t.finish_reason in ("done", "max_rounds", "context_full")
+        assert t.num_steps == len(t.actions) <= 3
+        for k, (a, b) in enumerate(t.action_spans):
+            end = b + 1 if b < len(t.tokens) and t.tokens[b] == tok.token_id(IM_END) and t.action_mask[b] else b
+            in_trajs.append(tuple(t.tokens[a:end].tolist()))
+            # masks: exactly the sampled run is an action; nothing else in the turn is
+            assert t.action_mask[a:end].all() and not t.action_mask[a - 1] and not t.obs_mask[a:end].any()
+            # the sampler's logprobs are kept next to their tokens
+            assert (t.sampler_logp[a:end] < 0).all()
+        # observations: every obs_mask run is one observation's text, in order
+        runs = np.flatnonzero(np.diff(np.concatenate([[0], t.obs_mask.astype(int), [0]])))
+        texts = [tok.decode(t.tokens[s:e]) for s, e in zip(runs[::2], runs[1::2])]
+        assert texts == t.observations[:len(texts)] and len(texts) >= 1
+        assert texts[0].startswith("Task:")
+        # everything else is chat scaffolding
+        rest = tok.decode(t.tokens[~(t.action_mask | t.obs_mask)])
+        assert rest.startswith(f"{IM_START}user\n{FAMILY.instruction()}{IM_END}\n{IM_START}assistant\n")
+    assert sorted(in_trajs) == sampled
+
+
+def test_sync_rollouts_are_reproducible(setup):
+    tok, chat, sampler, pool = setup
+    runner = RolloutRunner(sampler, pool, "builtin", FAMILY, chat,
+                           RolloutConfig(max_rounds=3, max_turn_tokens=6, sync=True))
+    tasks = [(t, g) for g, t in enumerate(FAMILY.task_ids("train")[:2]) for _ in range(3)]
+    a, _ = runner.run(tasks, jax.random.key(7))
+    b, _ = runner.run(tasks, jax.random.key(7))
+    c, _ = runner.run(tasks, jax.random.key(8))
+    assert all(np.array_equal(x.tokens, y.tokens) for x, y in zip(a, b))
+    assert not all(np.array_equal(x.tokens, y.tokens) for x, y in zip(a, c))
