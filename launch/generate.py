@@ -76,17 +76,19 @@ def generate() -> list[dict]:
     import models
     from cope_jax.sampler import Sampler
 
-    model, cfg = models.load_model(FLAGS.model, dtype=FLAGS.dtype)
+    # everything about the request is checked before the (slow) weight loading
+    cfg = models.QwenConfig.from_hf_dir(FLAGS.model)
     tok = _tokenizer(FLAGS.tokenizer, FLAGS.model)
     prompt = _prompt_ids(tok, cfg)
     if not prompt:
         raise ValueError("the prompt encodes to no tokens")
-    eos = set(tok.eos_ids if tok is not None else ())
-    cfg_eos = cfg.eos_token_id
-    eos |= set([] if cfg_eos is None else [cfg_eos] if isinstance(cfg_eos, int) else cfg_eos)
     if FLAGS.stop and tok is None:
         raise ValueError("--stop strings need a tokenizer")
     stops = [tok.encode(s) for s in FLAGS.stop]
+    eos = set(tok.eos_ids if tok is not None else ())
+    cfg_eos = cfg.eos_token_id
+    eos |= set([] if cfg_eos is None else [cfg_eos] if isinstance(cfg_eos, int) else cfg_eos)
+    model, cfg = models.load_model(FLAGS.model, dtype=FLAGS.dtype)
     n = FLAGS.num_samples
     sampler = Sampler(model, batch_size=n, max_len=len(prompt) + FLAGS.max_new_tokens, eos_ids=sorted(eos))
     state = sampler.start([prompt] * n)
