@@ -56,7 +56,23 @@ class TokenizerError(ValueError):
     pass
 
 
-class QwenTokenizer:
+class _SpecialTokens:
+    """Lookup of the special tokens by name (both implementations keep them in `_specials`)."""
+
+    name: str
+    _specials: dict[str, int]
+
+    def token_id(self, token: str) -> int:
+        if token not in self._specials:
+            raise TokenizerError(f"{self.name}: no special token {token!r}")
+        return self._specials[token]
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        return dict(self._specials)
+
+
+class QwenTokenizer(_SpecialTokens):
     """Qwen byte-level BPE run by tiktoken (`kind='tiktoken'`) or `tokenizers` (`kind='hf'`)."""
 
     def __init__(self, name: str, backend, kind: str, specials: dict[str, int], vocab_size: int):
@@ -111,17 +127,8 @@ class QwenTokenizer:
             return self._backend.decode(ids, errors="replace")
         return self._backend.decode(ids, skip_special_tokens=False)
 
-    def token_id(self, token: str) -> int:
-        if token not in self._specials:
-            raise TokenizerError(f"{self.name}: no special token {token!r}")
-        return self._specials[token]
 
-    @property
-    def special_tokens(self) -> dict[str, int]:
-        return dict(self._specials)
-
-
-class SentencePieceTokenizer:
+class SentencePieceTokenizer(_SpecialTokens):
     """A SentencePiece model whose user-defined symbols include the chat special tokens."""
 
     def __init__(self, model_proto: bytes, name: str = "sentencepiece"):
@@ -154,15 +161,6 @@ class SentencePieceTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
-
-    def token_id(self, token: str) -> int:
-        if token not in self._specials:
-            raise TokenizerError(f"{self.name}: no special token {token!r}")
-        return self._specials[token]
-
-    @property
-    def special_tokens(self) -> dict[str, int]:
-        return dict(self._specials)
 
 
 def train_sentencepiece(texts: Iterable[str], vocab_size: int = 512, name: str = "demo-sp") -> SentencePieceTokenizer:

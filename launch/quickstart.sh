@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Creates the virtual environment (runtime requirements only) if needed and runs the main job on CPU.
+# Creates the virtual environment (runtime requirements only) if needed and runs the main job on CPU:
+# the built-in demo (warm start, CoPE training, evaluation and plot) in runs/demo (resumed if present).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source launch/venv.sh
 ensure_venv requirements.txt
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
-exec "$PY" -m launch.smoke "$@"
+WORKDIR="${WORKDIR:-runs/demo}"
+"$PY" -m launch.train --config=configs/demo.py --workdir="$WORKDIR" "$@"
+"$PY" -m launch.eval --config=configs/demo.py --workdir="$WORKDIR" "$@"
+echo "report: $WORKDIR/eval.md   curves: $WORKDIR/learning_curves.png"
