@@ -12,17 +12,17 @@ from configs.base import base_config
 def get_config(method: str = "cope"):
     c = base_config(method)
     c.seed = 0
-    c.model.update(init="random", family="qwen3", hidden_size=128, intermediate_size=384, num_layers=4,
+    c.model.update(init="random", family="qwen3", hidden_size=128, intermediate_size=256, num_layers=3,
                    num_heads=4, num_kv_heads=2, head_dim=32, tie_word_embeddings=True, rope_theta=1e4,
                    dtype="float32", param_dtype="float32", remat="none")
-    c.tokenizer = "sentencepiece:512"
+    c.tokenizer = "sentencepiece:1024"
     c.chat_style = "plain"
-    c.env.update(family="builtin", workers=2, max_rounds_train=15, max_rounds_eval=15)
-    c.rollout.update(tasks_per_step=8, group_size=8, max_turn_tokens=24, max_len=1024, sampler_rows=64,
+    c.env.update(family="builtin", workers=2, max_rounds_train=12, max_rounds_eval=12)
+    c.rollout.update(tasks_per_step=6, group_size=8, max_turn_tokens=16, max_len=768, sampler_rows=48,
                      sync=True)
-    c.train.update(steps=30, learning_rate=1e-4, minibatch_tasks=4, row_len=2048, rows_per_micro=8,
+    c.train.update(steps=20, learning_rate=2e-4, minibatch_tasks=3, row_len=768, rows_per_micro=4,
                    af_coef=0.1, logprob_chunk=1024)
-    c.warmstart.update(steps=40, learning_rate=1e-3, batch_episodes=32, tasks=256)
-    c.eval.update(every=10, tasks=0, samples=2, temperature=1.0)
+    c.warmstart.update(steps=40, learning_rate=1e-3, batch_episodes=16, tasks=256)
+    c.eval.update(every=10, tasks=0, samples=1, temperature=1.0)
     c.checkpoint.update(every=5, keep=2)
     return c

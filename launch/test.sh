@@ -5,4 +5,4 @@ cd "$(dirname "$0")/.."
 source launch/venv.sh
 ensure_venv requirements-dev.txt
 export JAX_PLATFORMS=cpu
-exec "$PY" -m pytest tests -q "$@"
+exec "$PY" -m pytest tests -q -n "${PYTEST_WORKERS:-2}" "$@"
