@@ -39,6 +39,7 @@ flags.DEFINE_integer("loss_repeats", 1, "Timed repeats; the best is reported.")
 flags.DEFINE_bool("loss_warmup", True, "One untimed call before the timed ones (compiles are always "
                   "excluded: executables are compiled ahead of time).")
 flags.DEFINE_list("loss_parts", ["logits", "step"], "What to measure: logits, step.")
+flags.DEFINE_list("loss_variants", ["chunked", "full"], "Logits variants: chunked, full.")
 flags.DEFINE_list("loss_time_step_tokens", ["4096"], "Token counts at which the whole step is timed "
                   "(memory is reported at all of them); 'all' for every --loss_tokens.")
 flags.DEFINE_float("loss_max_run_gb", None, "Run only variants whose compiled peak is below this "
@@ -48,6 +49,11 @@ FLAGS = flags.FLAGS
 GB = 1024 ** 3
 VARIANTS = {"chunked": "chunk", "full": None}  # variant -> logits_chunk_tokens (None = full logits)
 TERMS = ("pg", "kl", "entropy")
+
+
+def _variants():
+    """(name, logits_chunk_tokens) of the selected variants."""
+    return [(v, FLAGS.loss_chunk_tokens if VARIANTS[v] == "chunk" else None) for v in FLAGS.loss_variants]
 
 
 def _emit(**line):
@@ -168,8 +174,7 @@ def bench_logits(cfg, batch, tokens: int, max_bytes: float):
     h = (jax.random.normal(key, (R, L, E), jnp.float32)).astype(cfg.dtype)
     w = (0.02 * jax.random.normal(jax.random.key(2), (V, E), jnp.float32)).astype(cfg.param_dtype)
     _, flops = model_flops(cfg, tokens, L)
-    for variant, chunk in VARIANTS.items():
-        chunk = FLAGS.loss_chunk_tokens if chunk == "chunk" else None
+    for variant, chunk in _variants():
 
         def loss(h, w):
             logp, ent = logprobs.token_logprobs(h, w, mb.tokens, mb.segment_ids, chunk_tokens=chunk)
@@ -202,8 +207,7 @@ def bench_step(cfg, batch, tokens: int, max_bytes: float, time_it: bool):
     R, L = batch.tokens.shape[1:]
     flops, _ = model_flops(cfg, tokens, L)
     model = models.create_model(cfg, seed=0)
-    for variant, chunk in VARIANTS.items():
-        chunk = FLAGS.loss_chunk_tokens if chunk == "chunk" else None
+    for variant, chunk in _variants():
         loss_cfg = methods.LossConfig(logits_chunk_tokens=chunk)
         learner = train_step.Learner(model, loss_cfg)
         state = nnx.state((learner.model, learner.optimizer))
