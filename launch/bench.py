@@ -14,8 +14,6 @@ SUITES = {
     "sampler": "launch.bench_sampler",
     "loss": "launch.bench_loss",
     "envs": "launch.bench_envs",
-    "learning": "launch.bench_learning",
-    "rollout": "launch.bench_rollout",
     "convert": "launch.bench_convert",
 }
 
