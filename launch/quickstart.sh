@@ -8,5 +8,8 @@ ensure_venv requirements.txt
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
 WORKDIR="${WORKDIR:-runs/demo}"
 "$PY" -m launch.train --config=configs/demo.py --workdir="$WORKDIR" "$@"
-"$PY" -m launch.eval --config=configs/demo.py --workdir="$WORKDIR" "$@"
+# the evaluation gets the same config overrides (a run directory refuses a different config)
+overrides=()
+for arg in "$@"; do [[ "$arg" == --config.* ]] && overrides+=("$arg"); done
+"$PY" -m launch.eval --config=configs/demo.py --workdir="$WORKDIR" "${overrides[@]}"
 echo "report: $WORKDIR/eval.md   curves: $WORKDIR/learning_curves.png"
