@@ -116,6 +116,8 @@ def plot_learning_curves(workdir: str, path: str | None = None) -> str:
         ax.plot(steps, [train[s].get(key, math.nan) for s in steps], ".-", alpha=0.6, label="train rollouts")
         esteps = sorted(evals)
         ax.plot(esteps, [evals[s].get(key, math.nan) for s in esteps], "o-", lw=2, label="eval (test split)")
+        if key == "succ":
+            ax.set_ylim(-0.02, 1.02)
         ax.set_xlabel("RL step")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)

@@ -19,7 +19,11 @@ def train_run(config, workdir: str, *, progress: bool = True) -> dict[str, Any]:
         if config.eval.every and 0 not in metrics_lib.latest_records(metrics_lib.read_log(trainer.workdir), "eval"):
             s = trainer.evaluate(0)
             print(f"step 0 (start of RL): succ {s['succ']:.3f} score {s['score']:.3f}", file=sys.stderr)
-        return trainer.train(progress=progress)
+        summary = trainer.train(progress=progress)
+        if not summary:  # nothing left to train: report the run's last evaluation
+            evals = metrics_lib.latest_records(metrics_lib.read_log(trainer.workdir), "eval")
+            summary = evals[max(evals)] if evals else {}
+        return summary
     finally:
         trainer.close()
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 config_flags.DEFINE_config_file("config", None, "The run's config file.", lock_config=True)
@@ -27,6 +27,8 @@ FLAGS = flags.FLAGS
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not FLAGS["verbosity"].present:  # Orbax logs every save at INFO; keep the console readable
+        logging.set_verbosity(logging.WARNING)
     if not os.path.isfile(os.path.join(FLAGS.workdir, "config.json")):
         raise app.UsageError(f"{FLAGS.workdir} is not a run directory (no config.json); run launch.train first")
     from cope_jax.runs import eval_run

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/demo.py or configs/sciworld.py:cope.",
@@ -23,6 +23,8 @@ FLAGS = flags.FLAGS
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not FLAGS["verbosity"].present:  # Orbax logs every save at INFO; keep the console readable
+        logging.set_verbosity(logging.WARNING)
     from cope_jax.runs import train_run
 
     final = train_run(FLAGS.config, FLAGS.workdir, progress=FLAGS.progress)
