@@ -17,7 +17,7 @@ Subclasses implement `_reset`, `_step` and `success`.
 from __future__ import annotations
 
 import abc
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 from envs.parsing import parse_action as _parse_action
 
@@ -48,9 +48,14 @@ class EnvFamily(abc.ABC):
         self._task_id: int | None = None
 
     # ---- static side -------------------------------------------------------------------
-    @abc.abstractmethod
+    # split name -> task ids; families with a fixed table just set it (others override task_ids)
+    split_ids: Mapping[str, Sequence[int]] = {}
+
     def task_ids(self, split: str) -> list[int]:
         """Task ids of `split` ('train' or 'test'), a stable list."""
+        if split not in self.split_ids:
+            raise ValueError(f"unknown split {split!r}; known: {sorted(self.split_ids)}")
+        return list(self.split_ids[split])
 
     def num_tasks(self) -> int:
         """Size of the pool the splits are drawn from."""

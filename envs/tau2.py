@@ -139,10 +139,7 @@ class Tau2Env(EnvFamily):
         self._tasks: dict[str, dict[str, Any]] = {}
 
     # ---- static side -------------------------------------------------------------------
-    def task_ids(self, split: str) -> list[int]:
-        if split not in SPLIT_IDS:
-            raise ValueError(f"unknown split {split!r}")
-        return list(SPLIT_IDS[split])
+    split_ids = SPLIT_IDS
 
     def num_tasks(self) -> int:
         return len(POOL)

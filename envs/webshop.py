@@ -110,10 +110,7 @@ class WebShopEnv(EnvFamily):
         self._score = 0.0
 
     # ---- static side -------------------------------------------------------------------
-    def task_ids(self, split: str) -> list[int]:
-        if split not in SPLIT_IDS:
-            raise ValueError(f"unknown split {split!r}")
-        return list(SPLIT_IDS[split])
+    split_ids = SPLIT_IDS
 
     def num_tasks(self) -> int:
         return NUM_GOALS

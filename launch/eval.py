@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import os
 
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
+
+from launch import cli
 
 config_flags.DEFINE_config_file("config", None, "The run's config file.", lock_config=True)
 flags.DEFINE_string("workdir", None, "The run directory (as given to launch.train).")
@@ -25,10 +27,7 @@ FLAGS = flags.FLAGS
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if not FLAGS["verbosity"].present:  # Orbax logs every save at INFO; keep the console readable
-        logging.set_verbosity(logging.WARNING)
+    cli.start(argv)
     if not os.path.isfile(os.path.join(FLAGS.workdir, "config.json")):
         raise app.UsageError(f"{FLAGS.workdir} is not a run directory (no config.json); run launch.train first")
     from cope_jax.runs import eval_run

@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import os
 
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
+
+from launch import cli
 
 config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/demo.py or configs/sciworld.py:cope.",
                                 lock_config=True)
@@ -21,10 +23,7 @@ FLAGS = flags.FLAGS
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if not FLAGS["verbosity"].present:  # Orbax logs every save at INFO; keep the console readable
-        logging.set_verbosity(logging.WARNING)
+    cli.start(argv)
     from cope_jax.runs import train_run
 
     final = train_run(FLAGS.config, FLAGS.workdir, progress=FLAGS.progress)
