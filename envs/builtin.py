@@ -11,16 +11,24 @@ Three sub-task families (for per-family metrics), each needing several correct s
 - deliver: "Task: put the cup in the box."   walk to the object, take it, walk to the box, put it;
 - unlock:  "Task: go to the attic."          the attic's door is locked: fetch the key, walk to the
                                              door, `open door`, go through.
+Every observation after a move, take, open or put describes the room, including the side the agent
+came in by ("You came in from the south."), so the observation alone says where it is heading.
 Anything the house cannot do answers the fixed invalid-action message "Nothing happens.".
 Score = fraction of the family's milestones reached (e.g. deliver: holding the object 0.5, object in
 the container 1.0); Y = 1 iff the episode ended with all milestones reached.
 
 Tasks: `generate_task(task_id)` is a pure function of the id (a `random.Random` seeded with the
-string "builtin-v1:<id>", stable across Python versions), rejecting layouts whose expert solution is
-outside 3..12 steps. Splits are disjoint *as tasks*, not only as ids: a task's split is decided by a
+string "builtin-v1:<id>", stable across Python versions). Splits are disjoint *as tasks*, not only as ids: a task's split is decided by a
 hash of its content (1 in 8 goes to test), and each split keeps the first `num_train` / `num_test`
-distinct tasks in id order. The expert (`expert_actions`) walks BFS shortest paths with a fixed
-direction order, so demonstrations are deterministic.
+distinct tasks in id order; a layout is kept when its shortest solution (`shortest_solution`, BFS
+with a fixed direction order, knowing the map) has 3..12 steps.
+
+The expert that demonstrates (`expert_actions`) knows only what the agent sees: it takes and opens
+what the task needs when it is in the room, and otherwise walks by the right-hand rule (try right of
+its heading, then straight, left, back), which tours a tree of rooms. Its next action is a function
+of the task, the current observation and what it holds, so a small model can imitate it; the
+shortest solution cannot be imitated (it needs the map). It is deterministic and on average ~1.2x
+as long as the shortest solution.
 """
 
 from __future__ import annotations
@@ -116,8 +124,8 @@ def _walk(exits, src, path):
     return src
 
 
-def expert_actions(task: Task) -> list[str]:
-    """Deterministic shortest solution of a task."""
+def shortest_solution(task: Task) -> list[str]:
+    """Deterministic shortest solution of a task, planned on the full map."""
     go = lambda path: [f"go {d}" for d in path]  # noqa: E731
     sp = lambda a, b: _shortest_path(task.exits, a, b, task.locked)  # noqa: E731
     if task.family == "fetch":
@@ -131,6 +139,51 @@ def expert_actions(task: Task) -> list[str]:
     key_room = task.items["key"]
     return (go(sp(task.start, key_room)) + ["take key"] + go(sp(key_room, door_room))
             + ["open door", f"go {door_dir}"])
+
+
+CLOCKWISE = ("north", "east", "south", "west")
+
+
+def _preference(heading: str) -> tuple[str, ...]:
+    """Right-hand rule: right of the heading, straight on, left, back."""
+    i = CLOCKWISE.index(heading)
+    return tuple(CLOCKWISE[(i + k) % 4] for k in (1, 0, 3, 2))
+
+
+def expert_actions(task: Task, max_steps: int = 4 * MAX_STEPS) -> list[str]:
+    """The demonstrator's actions: acts on what it sees, explores by the right-hand rule."""
+    room, items, door_open, heading = task.start, dict(task.items), False, "north"
+    acts: list[str] = []
+
+    def act(a: str) -> None:
+        acts.append(a)
+
+    while len(acts) < max_steps:
+        here = {o for o, r in items.items() if r == room}
+        want = task.goal[0] if task.family != "unlock" else "key"
+        if items.get(want) != "inventory" and want in here:
+            act(f"take {want}")
+            items[want] = "inventory"
+            if task.family == "fetch":
+                return acts
+            continue
+        if items.get(want) == "inventory":
+            if task.family == "deliver" and task.containers.get(task.goal[1]) == room:
+                act(f"put {want} in {task.goal[1]}")
+                return acts
+            if task.family == "unlock" and task.locked[0] == room:
+                if not door_open:
+                    act("open door")
+                    door_open = True
+                    continue
+                act(f"go {task.locked[1]}")
+                return acts
+        exits = task.exits[room]
+        heading = next(d for d in _preference(heading)
+                       if d in exits and (door_open or task.locked != (room, d)))
+        act(f"go {heading}")
+        room = exits[heading]
+    raise RuntimeError(f"expert did not solve builtin task {task.task_id} in {max_steps} steps")
 
 
 def _layout(rng: random.Random) -> dict[str, dict[str, str]]:
@@ -192,7 +245,7 @@ def generate_task(task_id: int) -> Task:
     family = FAMILIES[task_id % len(FAMILIES)]
     for _ in range(1000):
         task = _candidate(task_id, family, rng)
-        if MIN_STEPS <= len(expert_actions(task)) <= MAX_STEPS:
+        if MIN_STEPS <= len(shortest_solution(task)) <= MAX_STEPS:
             return task
     raise RuntimeError(f"no valid layout for builtin task {task_id}")  # pragma: no cover
 
@@ -220,6 +273,7 @@ class _State:
     room: str
     items: dict[str, str]                      # object -> room | "inventory" | container
     door_open: bool = False
+    came_from: str | None = None               # the side of the room the agent entered by
     reached: set[str] = field(default_factory=set)
 
 
@@ -291,7 +345,8 @@ class BuiltinEnv(EnvFamily):
             if d in task.exits[st.room]:
                 lock = task.locked == (st.room, d) and not st.door_open
                 exits.append(d + (" (locked)" if lock else ""))
-        return f"You are in the {st.room}. You see {seen}. Exits: {', '.join(exits)}."
+        came = f" You came in from the {st.came_from}." if st.came_from else ""
+        return f"You are in the {st.room}.{came} You see {seen}. Exits: {', '.join(exits)}."
 
     def _reset(self, task_id: int) -> tuple[str, dict[str, Any]]:
         self._task = task = generate_task(task_id)
@@ -316,20 +371,20 @@ class BuiltinEnv(EnvFamily):
                 return INVALID
             if task.locked == (st.room, words[1]) and not st.door_open:
                 return "The door is locked."
-            st.room = nxt
+            st.room, st.came_from = nxt, OPPOSITE[words[1]]
             return self._describe()
         if len(words) == 2 and words[0] == "take" and st.items.get(words[1]) == st.room:
             st.items[words[1]] = "inventory"
-            return f"You take the {words[1]}."
+            return f"You take the {words[1]}. {self._describe()}"
         if act == "open door" and task.locked is not None and task.locked[0] == st.room \
                 and not st.door_open and st.items.get("key") == "inventory":
             st.door_open = True
-            return "You open the door."
+            return f"You open the door. {self._describe()}"
         if len(words) == 4 and words[0] == "put" and words[2] == "in" \
                 and st.items.get(words[1]) == "inventory" \
                 and task.containers.get(words[3]) == st.room:
             st.items[words[1]] = words[3]
-            return f"You put the {words[1]} in the {words[3]}."
+            return f"You put the {words[1]} in the {words[3]}. {self._describe()}"
         return INVALID
 
     def _update_milestones(self) -> None:

@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from envs.builtin import FAMILIES, INVALID, MAX_STEPS, MIN_STEPS, BuiltinEnv, generate_task
+from envs.builtin import (FAMILIES, INVALID, MAX_STEPS, MIN_STEPS, BuiltinEnv, generate_task,
+                          shortest_solution)
 
 
 @pytest.fixture(scope="module")
@@ -29,10 +30,35 @@ def test_expert_solves_every_test_and_train_task(env):
     ids = env.task_ids("test") + env.task_ids("train")[:300]
     for tid in ids:
         actions = env.expert_actions(tid)
-        assert MIN_STEPS <= len(actions) <= MAX_STEPS
+        shortest = shortest_solution(generate_task(tid))
+        assert MIN_STEPS <= len(shortest) <= MAX_STEPS
+        assert len(shortest) <= len(actions) <= 2 * MAX_STEPS
         _, score, done, info = _play(env, tid, actions, max_steps=env.max_rounds["eval"])
         assert done and score == 1.0 and env.success(score, done, info), (tid, actions)
         assert info["rounds"] == len(actions)  # it ends exactly on the last expert action
+        _, score, done, info = _play(env, tid, shortest, max_steps=len(shortest))
+        assert done and env.success(score, done, info), (tid, shortest)
+
+
+def test_expert_only_acts_on_what_it_sees(env):
+    # The demonstrator must be imitable: its action is a function of the task, the current
+    # observation and what it holds, never of the hidden map or of older observations.
+    policy = {}
+    for tid in env.task_ids("test") + env.task_ids("train")[:300]:
+        actions = env.expert_actions(tid)
+        trace = _play(env, tid, actions, max_steps=len(actions))[0]
+        task_text, held = generate_task(tid).text(), ()
+        for obs, action in zip(trace, actions):
+            key = (task_text, obs.replace(task_text, "").strip(), held)
+            assert policy.setdefault(key, action) == action, key
+            if action.startswith("take "):
+                held += (action[5:],)
+    assert len(policy) > 500
+
+
+def test_test_split_fits_the_demo_round_cap(env):
+    # configs/demo.py evaluates with 12 rounds: every test task must be solvable by the expert in them.
+    assert max(len(env.expert_actions(t)) for t in env.task_ids("test")) <= MAX_STEPS
 
 
 def test_random_actions_solve_few(env):
