@@ -12,7 +12,8 @@ Three sub-task families (for per-family metrics), each needing several correct s
 - unlock:  "Task: go to the attic."          the attic's door is locked: fetch the key, walk to the
                                              door, `open door`, go through.
 Every observation after a move, take, open or put describes the room, including the side the agent
-came in by ("You came in from the south."), so the observation alone says where it is heading.
+came in by ("You came in from the south."); exits are listed in right-hand-rule order relative to
+the agent's heading (right, straight, left, back; heading north at the start).
 Anything the house cannot do answers the fixed invalid-action message "Nothing happens.".
 Score = fraction of the family's milestones reached (e.g. deliver: holding the object 0.5, object in
 the container 1.0); Y = 1 iff the episode ended with all milestones reached.
@@ -25,8 +26,9 @@ with a fixed direction order, knowing the map) has 3..12 steps.
 
 The expert that demonstrates (`expert_actions`) knows only what the agent sees: it takes and opens
 what the task needs when it is in the room, and otherwise walks by the right-hand rule (try right of
-its heading, then straight, left, back), which tours a tree of rooms. Its next action is a function
-of the task, the current observation and what it holds, so a small model can imitate it; the
+its heading, then straight, left, back: the first open exit listed), which tours a tree of rooms.
+Its next action is a function of the task, the current observation and what it holds, so a small
+model can imitate it; the
 shortest solution cannot be imitated (it needs the map). It is deterministic and on average ~1.2x
 as long as the shortest solution.
 """
@@ -341,7 +343,8 @@ class BuiltinEnv(EnvFamily):
         else:
             seen = ", ".join(_article(w) for w in here[:-1]) + " and " + _article(here[-1])
         exits = []
-        for d in DIRS:
+        heading = OPPOSITE[st.came_from] if st.came_from else "north"
+        for d in _preference(heading):  # right-hand-rule order: the way back is always last
             if d in task.exits[st.room]:
                 lock = task.locked == (st.room, d) and not st.door_open
                 exits.append(d + (" (locked)" if lock else ""))
