@@ -29,17 +29,17 @@ def base_config(method: str = "cope") -> ml_collections.ConfigDict:
     ))
     c.tokenizer = "qwen2.5"  # 'qwen2.5' | 'qwen3' | an HF tokenizer dir | a SentencePiece .model | 'model'
     c.chat_style = "qwen2.5"  # cope_jax/chat.py STYLES
-    c.mesh = (1, -1, 1)  # (data, fsdp, tp); -1 = all remaining devices
+    c.mesh = (1, -1, 1)  # (data, fsdp, tp) over every host's devices; -1 = all remaining devices
 
     c.env = ml_collections.ConfigDict(dict(
-        family="", workers=8, train_split="train", eval_split="test",
+        family="", workers=8, train_split="train", eval_split="test",  # workers: per host
         max_rounds_train=20, max_rounds_eval=30, call_timeout=0.0,  # 0: the family's default
     ))
     c.rollout = ml_collections.ConfigDict(dict(
-        tasks_per_step=16, group_size=8,  # train batch: 16 tasks x 8 rollouts
+        tasks_per_step=16, group_size=8,  # train batch (all hosts together): 16 tasks x 8 rollouts
         max_turn_tokens=512, temperature=1.0, top_p=1.0, top_k=0,
         max_len=16384,  # tokens per episode (Table 9 "maximum model length")
-        sampler_rows=128,  # concurrent episodes in the sampler
+        sampler_rows=128,  # concurrent episodes in each host's sampler
         sync=False,  # lockstep rounds: bit-reproducible rollouts, no env/decode overlap
     ))
     c.train = ml_collections.ConfigDict(dict(

@@ -38,6 +38,11 @@ class RolloutConfig:
     top_k: int = 0
     greedy: bool = False
     poll_interval: float = 0.002  # seconds to wait for the environment when nothing can decode
+    # asynchronous rounds: an episode ready to decode waits up to this fraction of a typical
+    # generate call for environment results still in flight to join its batch; a sampler call
+    # costs nearly the same for 1 row as for many, so decoding every straggler alone would
+    # multiply the sampling time (a fast environment's results all join the first batch)
+    batch_wait: float = 0.5
     # lockstep rounds: wait for every in-flight environment call and handle results in episode
     # order before decoding, so the schedule (hence sampler batches) does not depend on timing and
     # rollouts are bit-reproducible; gives up overlapping environment steps with decoding
@@ -59,12 +64,21 @@ class RolloutStats:
     def as_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def combined(cls, parts: Sequence["RolloutStats"]) -> "RolloutStats":
+        """Stats of rollouts run side by side (one per host): counts and busy times add up, the
+        wall time is the slowest one's."""
+        out = cls(**{f.name: sum(getattr(p, f.name) for p in parts) for f in dataclasses.fields(cls)})
+        out.wall_s = max((p.wall_s for p in parts), default=0.0)
+        return out
+
 
 @dataclasses.dataclass
 class _Episode:
     index: int
     task_id: int
     group_id: int
+    uid: int = 0  # names the episode's randomness (see RolloutRunner.run)
     row: int | None = None
     tokens: list[int] = dataclasses.field(default_factory=list)
     action_mask: list[bool] = dataclasses.field(default_factory=list)
@@ -135,14 +149,23 @@ class RolloutRunner:
         return self.chat.turn(role, text)
 
     # -- the loop ----------------------------------------------------------------------------------
-    def run(self, tasks: Sequence[tuple[int, int]], key: jax.Array,
-            state: SamplerState | None = None) -> tuple[list[Trajectory], RolloutStats]:
-        """Plays one episode per (task_id, group_id); returns trajectories in input order."""
+    def run(self, tasks: Sequence[tuple[int, int]], key: jax.Array, state: SamplerState | None = None, *,
+            episode_ids: Sequence[int] | None = None) -> tuple[list[Trajectory], RolloutStats]:
+        """Plays one episode per (task_id, group_id); returns trajectories in input order.
+
+        Turn j of episode i samples with fold_in(fold_in(key, episode_ids[i]), j) (default ids:
+        0, 1, ...), so an episode's tokens do not depend on the sampler row or batch it runs in,
+        nor on which host of a multi-host run plays it.
+        """
         cfg, sampler = self.cfg, self.sampler
         stats = RolloutStats()
         t_start = time.perf_counter()
         state = sampler.init_state() if state is None else state
-        episodes = [_Episode(i, int(t), int(g), family=self.family_name) for i, (t, g) in enumerate(tasks)]
+        uids = range(len(tasks)) if episode_ids is None else [int(u) for u in episode_ids]
+        if len(uids) != len(tasks):
+            raise ValueError(f"{len(uids)} episode_ids for {len(tasks)} episodes")
+        episodes = [_Episode(i, int(t), int(g), uid=u, family=self.family_name)
+                    for i, ((t, g), u) in enumerate(zip(tasks, uids))]
         ids = {}
         for ep in episodes:
             ep_key = (id(self), ep.index, time.perf_counter_ns())
@@ -152,7 +175,8 @@ class RolloutRunner:
         need_row: list[_Episode] = []  # got o_0, waiting for a sampler row
         ready: list[_Episode] = []  # row holds everything up to a generation prompt
         live = len(episodes)
-        step = 0
+        hold = 0.0  # seconds the ready episodes still wait for results to join their batch
+        ready_since, generate_s = None, 0.0  # generate_s: running mean of a generate call's time
         try:
             while live:
                 t0 = time.perf_counter()
@@ -160,14 +184,21 @@ class RolloutRunner:
                     results = sorted(self.pool.wait_all(), key=lambda r: ids[r.episode].index)
                 else:
                     results = self.pool.poll(0.0)
-                    if not results and not ready and not need_row:
-                        results = self.pool.poll(cfg.poll_interval if self.pool.pending() else 0.0)
+                    if not results and self.pool.pending() and (hold > 0 or not (ready or need_row)):
+                        results = self.pool.poll(hold if hold > 0 else cfg.poll_interval)
                 stats.env_wait_s += time.perf_counter() - t0
                 for r in results:
                     ep = ids[r.episode]
                     stats.env_busy_s += r.elapsed
                     stats.env_steps += r.kind == "step"
                     live -= self._on_env_result(ep, r, state, need_row, ready)
+                if not cfg.sync and (ready or need_row):
+                    # hold the sampler calls (prefills included) while results can still join
+                    ready_since = ready_since or time.perf_counter()
+                    hold = ready_since + cfg.batch_wait * generate_s - time.perf_counter()
+                    if hold > 0 and self.pool.in_flight():
+                        continue
+                hold, ready_since = 0.0, None
                 self._assign_rows(state, need_row, ready, stats)
                 self._flush_pending(state, ready, stats)
                 ended = [ep for ep in ready if ep.done]
@@ -176,8 +207,10 @@ class RolloutRunner:
                     self._finish(ep, state)
                     live -= 1
                 if ready:
-                    step += 1
-                    live -= self._generate(state, ready, jax.random.fold_in(key, step), stats)
+                    t_gen = time.perf_counter()
+                    live -= self._generate(state, ready, key, stats)
+                    took = time.perf_counter() - t_gen
+                    generate_s = took if not generate_s else 0.8 * generate_s + 0.2 * took
                     ready.clear()
         finally:
             for ep in episodes:
@@ -243,9 +276,11 @@ class RolloutRunner:
     def _generate(self, state: SamplerState, ready: list, key, stats: RolloutStats) -> int:
         cfg = self.cfg
         t0 = time.perf_counter()
+        keys = None if key is None else _turn_keys(key, np.array([ep.uid for ep in ready], np.int32),
+                                                   np.array([len(ep.action_spans) for ep in ready], np.int32))
         out = self.sampler.generate(state, [ep.row for ep in ready], cfg.max_turn_tokens,
                                     temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                    greedy=cfg.greedy, key=key)
+                                    greedy=cfg.greedy, key=keys)
         stats.sample_s += time.perf_counter() - t0
         stats.sampler_calls += 1
         ended = 0
@@ -310,6 +345,12 @@ class RolloutRunner:
             finish_reason=ep.finish_reason,
             metadata={"replies": ep.replies, "env": ep.env_info,
                       "task_family": self.family.task_family(ep.task_id)})
+
+
+@jax.jit
+def _turn_keys(key, uids, turns):
+    """[n] keys fold_in(fold_in(key, uids[i]), turns[i]): one per (episode, turn)."""
+    return jax.vmap(lambda u, t: jax.random.fold_in(jax.random.fold_in(key, u), t))(uids, turns)
 
 
 def scripted_trajectory(runner: RolloutRunner, task_id: int, group_id: int, observations: Sequence[str],

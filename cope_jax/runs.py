@@ -5,6 +5,7 @@ import os
 import sys
 from typing import Any
 
+from cope_jax import distributed
 from cope_jax import metrics as metrics_lib
 
 
@@ -16,7 +17,8 @@ def train_run(config, workdir: str, *, progress: bool = True) -> dict[str, Any]:
     trainer = Trainer(config, workdir)
     try:
         trainer.warmstart()
-        if config.eval.every and 0 not in metrics_lib.latest_records(metrics_lib.read_log(trainer.workdir), "eval"):
+        logged = metrics_lib.latest_records(metrics_lib.read_log(trainer.workdir), "eval")
+        if config.eval.every and distributed.broadcast_object(0 not in logged):  # process 0's log decides
             s = trainer.evaluate(0)
             print(f"step 0 (start of RL): succ {s['succ']:.3f} score {s['score']:.3f}", file=sys.stderr)
         summary = trainer.train(progress=progress)
@@ -54,7 +56,7 @@ def eval_run(config, workdir: str, *, checkpoint: int | None = None, split: str 
         results[f"checkpoint_{step}"] = summary
         meta = {"config": config.env.family + ":" + config.method, "checkpoint": step,
                 "split": summary["split"], "samples": summary["samples"]}
-        paths = metrics_lib.write_eval_report(trainer.workdir, results, meta)
+        paths = metrics_lib.write_eval_report(trainer.workdir, results, meta) if trainer.is_main else {}
         return {"checkpoint": step, "succ": summary["succ"], "score": summary["score"],
                 "episodes": summary["episodes"], **paths}
     finally:

@@ -133,19 +133,18 @@ def _prefill(graphdef, params, weights, cache, pending, rows, tokens, num_new, p
 @functools.partial(jax.jit, static_argnames=("graphdef", "window", "steps", "compact", "shardings"),
                    donate_argnames=("cache", "pending"))
 def _decode_loop(graphdef, params, weights, cache, pending, rows, knobs, max_steps, limit_code, eos_ids, stops,
-                 key, *, window: int, steps: int, compact: bool, shardings):
+                 row_keys, *, window: int, steps: int, compact: bool, shardings):
     """Generates up to max_steps[r] tokens per row in one `lax.while_loop` of single-token steps.
 
     knobs: dict of [R] arrays (temperature, top_k, top_p, greedy); limit_code [R]: the finish code
     when max_steps runs out (LENGTH or CONTEXT_FULL); eos_ids [E] (-1 padded); stops [N, M] (see
-    `stop_matched`). Returns (cache, pending, tokens [R, steps], logprobs [R, steps], n [R],
-    finish codes [R]).
+    `stop_matched`); row_keys [R] PRNG keys. Returns (cache, pending, tokens [R, steps],
+    logprobs [R, steps], n [R], finish codes [R]).
     """
     model = nnx.merge(graphdef, params)
     layer_weights, head_t = (None, None) if weights is None else weights
     sub, sub_pending = _take(cache, pending, rows, window, compact)
     R = sub_pending.shape[0]
-    row_ids = jnp.arange(R) if not compact else rows
     done = max_steps <= 0
     state = dict(step=jnp.int32(0), cache=sub, pending=sub_pending, done=done,
                  code=jnp.where(done, limit_code, 0).astype(jnp.int32), n=jnp.zeros(R, jnp.int32),
@@ -159,9 +158,8 @@ def _decode_loop(graphdef, params, weights, cache, pending, rows, knobs, max_ste
         active = ~s["done"]
         h, new_cache = model.decode(s["pending"][:, None], active.astype(jnp.int32), s["cache"], layer_weights)
         logits = model.unembed(h[:, 0], head_t)
-        # a row's randomness depends only on (key, step, row): not on which other rows run
-        step_key = jax.random.fold_in(key, s["step"])
-        tok = sample_tokens(logits, lambda: jax.vmap(lambda r: jax.random.fold_in(step_key, r))(row_ids), **knobs)
+        # a row's randomness depends only on (its key, step): not on which other rows run
+        tok = sample_tokens(logits, lambda: jax.vmap(lambda k: jax.random.fold_in(k, s["step"]))(row_keys), **knobs)
         lp = token_logprobs(logits, tok)
         n = s["n"] + active
         tail = jnp.where(active[:, None], jnp.concatenate([s["tail"][:, 1:], tok[:, None]], 1), s["tail"])
@@ -183,6 +181,12 @@ def _unrolled_weights(graphdef, params):
     """(per-layer weight dicts, LM head as [E, V]): the decode layout for XLA:CPU."""
     model = nnx.merge(graphdef, params)
     return model.layer_weights(), model.lm_head_weight().T
+
+
+@jax.jit
+def _fold_in_each(key, values):
+    """[n] keys fold_in(key, values[i])."""
+    return jax.vmap(lambda v: jax.random.fold_in(key, v))(values)
 
 
 def _constrain(state, shardings):
@@ -305,9 +309,11 @@ class Sampler:
 
         max_new_tokens, temperature, top_p, top_k, greedy: scalars or one value per row. A row ends
         at an EOS id ("eos"), right after a stop token sequence ("stop"), after max_new_tokens
-        ("length"), or when it reaches max_len tokens ("context_full"). `key` (a PRNG key or int
-        seed) is required when any row samples; results are deterministic given it. `eos_ids`
-        overrides the sampler's EOS ids for this call.
+        ("length"), or when it reaches max_len tokens ("context_full"). `key` is required when any
+        row samples: a PRNG key or int seed (row r draws from fold_in(key, r)), or one PRNG key per
+        requested row ([n] keys: a row's tokens then depend only on its key, whatever row or batch
+        it runs in). Results are deterministic given it. `eos_ids` overrides the sampler's EOS ids
+        for this call.
         """
         rows = self._check_rows(state, np.flatnonzero(state.live) if rows is None else rows, None, live=True)
         n = len(rows)
@@ -319,7 +325,7 @@ class Sampler:
                      greedy=_per_row(greedy, n, bool, "greedy"))
         _check_knobs(max_new, **knobs)
         knobs["greedy"] = knobs["greedy"] | (knobs["temperature"] == 0)
-        key = self._key(key, needed=not knobs["greedy"].all())
+        keys = self._row_keys(key, rows, needed=not knobs["greedy"].all())
         stops = self._stop_array(stop_sequences)
         eos = self._eos_array(self.eos_ids if eos_ids is None else self._as_ids(eos_ids, "eos_ids"))
 
@@ -335,7 +341,7 @@ class Sampler:
             graphdef, params, weights = self._params()
             state.cache, state.pending, toks, lps, counts, codes = _decode_loop(
                 graphdef, params, weights, state.cache, state.pending, lay.rows, args["knobs"], args["max_steps"],
-                args["limit_code"], eos, stops, key, window=window, steps=steps,
+                args["limit_code"], eos, stops, keys[lay(np.arange(n), 0)], window=window, steps=steps,
                 compact=self.compact, shardings=self._shardings)
             toks, lps, counts, codes = (np.asarray(x)[lay.index] for x in (toks, lps, counts, codes))
         else:
@@ -432,17 +438,22 @@ class Sampler:
             out[i, width - len(s):] = s
         return out
 
-    def _key(self, key, *, needed: bool) -> jax.Array:
+    def _row_keys(self, key, rows: np.ndarray, *, needed: bool) -> jax.Array:
+        """[n] typed PRNG keys, one per requested row (see `generate`)."""
         if key is None:
             if needed:
                 raise ValueError("sampling (temperature > 0 and not greedy) needs a PRNG key: pass key=")
             if self._unused_key is None:
                 self._unused_key = jax.random.key(0)  # greedy calls: any key, made once
-            return self._unused_key
+            key = self._unused_key
         if isinstance(key, (int, np.integer)):
-            return jax.random.key(int(key))
-        if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-            return jax.random.wrap_key_data(key)  # legacy uint32 PRNGKey
+            key = jax.random.key(int(key))
+        elif not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+            key = jax.random.wrap_key_data(key)  # legacy uint32 PRNGKey(s)
+        if key.ndim == 0:
+            return _fold_in_each(key, np.asarray(rows, np.int32))
+        if key.shape != (len(rows),):
+            raise ValueError(f"key: one PRNG key or one per requested row ({len(rows)}), got shape {key.shape}")
         return key
 
 

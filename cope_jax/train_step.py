@@ -192,6 +192,14 @@ def _committed(tree, mesh=None):
     return jax.device_put(tree, jax.tree.map(target, tree))
 
 
+@jax.jit
+def _drift(sampler_logp, old_logp, pg_weight):
+    """(max, mean) of |sampler_logp - old_logp| over sampled tokens (0 when there are none)."""
+    sampled = pg_weight > 0
+    diff = jnp.where(sampled, jnp.abs(sampler_logp - old_logp), 0.0)
+    return diff.max(initial=0.0), diff.sum() / jnp.maximum(sampled.sum(), 1)
+
+
 # metrics that belong to a term; others (loss, tokens, grad_norm) are always reported
 _TERM_METRICS = {"pg": ("pg_", "ppo_kl"), "kl": ("kl",), "entropy": ("entropy",), "af": ("af_",),
                  "rft": ("rft_",), "echo": ("echo_",)}
@@ -250,19 +258,19 @@ class Learner:
         """Adds old_logp (policy terms) and ref_logp ('kl' with kl_coef != 0) to a host batch.
 
         Also reports the sampler/trainer drift |sampler_logp - old_logp| over sampled tokens (SPEC 1).
+        The logprobs stay on the devices, in the batch's sharding (on several hosts no host holds
+        all of them); the rest of the batch is placed too.
         """
         metrics = {}
+        batch = place_batch(batch, self.mesh)
         if set(terms) & set(POLICY_TERMS):
-            old = np.asarray(self.logprobs(batch))
-            batch = batch.replace(old_logp=old)
-            sampled = np.asarray(batch.pg_weight) > 0
-            drift = np.abs(np.asarray(batch.sampler_logp) - old)[sampled]
-            metrics["sampler_drift_max"] = float(drift.max()) if drift.size else 0.0
-            metrics["sampler_drift_mean"] = float(drift.mean()) if drift.size else 0.0
+            batch = batch.replace(old_logp=self.logprobs(batch))
+            drift_max, drift_mean = _drift(batch.sampler_logp, batch.old_logp, batch.pg_weight)
+            metrics["sampler_drift_max"], metrics["sampler_drift_mean"] = float(drift_max), float(drift_mean)
         if "kl" in terms and self.cfg.kl_coef != 0:
             if ref_model is None:
                 raise ValueError("the 'kl' term needs a reference model")
-            batch = batch.replace(ref_logp=np.asarray(self.logprobs(batch, ref_model)))
+            batch = batch.replace(ref_logp=self.logprobs(batch, ref_model))
         return batch, metrics
 
     def train(self, minibatches, ref_model=None) -> list[dict]:

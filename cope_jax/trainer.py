@@ -30,6 +30,7 @@ from flax import nnx
 
 import models
 from models import orbax_io
+from cope_jax import distributed
 from cope_jax import metrics as metrics_lib
 from cope_jax.batching import build_minibatches
 from cope_jax.chat import ChatFormat
@@ -38,9 +39,9 @@ from cope_jax.demos import expert_trajectories
 from cope_jax.forecasting import ForecastConfig, build_examples
 from cope_jax.methods import METHODS, LossConfig, get_method
 from cope_jax.packing import pad_micro
-from cope_jax.rollout import RolloutConfig, RolloutRunner
+from cope_jax.rollout import RolloutConfig, RolloutRunner, RolloutStats
 from cope_jax.sampler import Sampler
-from cope_jax.tokenizer import load_tokenizer, train_sentencepiece
+from cope_jax.tokenizer import SentencePieceTokenizer, load_tokenizer, train_sentencepiece
 from cope_jax.train_step import Learner, OptimizerConfig
 from envs.pool import EnvPool
 from envs.registry import make_family
@@ -72,9 +73,11 @@ class Trainer:
         self.family = make_family(c.env.family)
         self.tokenizer = self._tokenizer()
         self.chat = ChatFormat(self.tokenizer, c.chat_style)
-        self.mesh = _mesh(tuple(c.mesh))
+        self.mesh = distributed.run_mesh(tuple(c.mesh))
         self.model = self._model()
-        self.sampler = Sampler(self.model, batch_size=c.rollout.sampler_rows, max_len=c.rollout.max_len,
+        # each host samples with its own copy of the policy on its own devices (one host: the policy)
+        self.replica = distributed.LocalReplica(self.model, self.mesh)
+        self.sampler = Sampler(self.replica.model, batch_size=c.rollout.sampler_rows, max_len=c.rollout.max_len,
                                eos_ids=self.tokenizer.eos_ids)
         timeout = c.env.call_timeout or None
         self.pool = EnvPool({c.env.family: c.env.workers}, call_timeout=timeout)
@@ -109,14 +112,17 @@ class Trainer:
             return load_tokenizer(self.config.model.path)
         if not spec.startswith("sentencepiece:"):
             return load_tokenizer(spec)
+        # a small tokenizer trained on the environment's own text (the demo's tiny model), once, by
+        # process 0; every host gets its bytes
         path = os.path.join(self.workdir, TOKENIZER_FILE)
-        if os.path.isfile(path):
-            return load_tokenizer(path)
-        # a small tokenizer trained on the environment's own text (the demo's tiny model)
-        tok = train_sentencepiece(_corpus(self.family, self.config), vocab_size=int(spec.split(":")[1]))
+        proto = None
         if self.is_main:
-            tok.save(path)
-        return tok
+            if not os.path.isfile(path):
+                vocab = int(spec.split(":")[1])
+                train_sentencepiece(_corpus(self.family, self.config), vocab_size=vocab).save(path)
+            with open(path, "rb") as f:
+                proto = f.read()
+        return SentencePieceTokenizer(distributed.broadcast_object(proto), name=TOKENIZER_FILE)
 
     def _model(self):
         m = self.config.model
@@ -144,6 +150,16 @@ class Trainer:
                             greedy=False if train else c.eval.greedy, sync=c.rollout.sync)
         return RolloutRunner(self.sampler, self.pool, c.env.family, self.family, self.chat, cfg)
 
+    def rollout(self, runner: RolloutRunner, plan: list[tuple[int, int]], key) -> tuple[list, Any]:
+        """Plays `plan` (episode i samples with key folded with i): each host its share, with its
+        own pool and sampler; returns every episode's trajectory (plan order, on every host) and the
+        rollout stats of all hosts together."""
+        share = distributed.process_share(len(plan))
+        self.replica.refresh()
+        key = jax.random.wrap_key_data(np.asarray(jax.random.key_data(key)), impl=jax.random.key_impl(key))
+        trajs, stats = runner.run(plan[share], key, episode_ids=range(share.start, share.stop))
+        return distributed.gather_shares(trajs), RolloutStats.combined(distributed.allgather_objects(stats))
+
     def task_iterator(self):
         ids = self.family.task_ids(self.config.env.train_split)
         ds = (grain.MapDataset.source(list(ids)).shuffle(seed=self.config.seed).repeat()
@@ -165,7 +181,9 @@ class Trainer:
             return None
         ids = self.family.task_ids(self.config.env.train_split)
         ids = ids[:ws.tasks] if ws.tasks else ids
-        demos = expert_trajectories(self.runner("train"), ids, max_rounds=self.config.env.max_rounds_train)
+        share = distributed.process_share(len(ids))  # each host plays its share of the experts
+        demos = distributed.gather_shares(expert_trajectories(self.runner("train"), ids[share],
+                                                              max_rounds=self.config.env.max_rounds_train))
         if not demos:
             raise RuntimeError("the expert solved no warm-start task")
         learner = Learner(self.model, dataclasses.replace(self.loss_cfg, rft_coef=1.0),
@@ -196,7 +214,7 @@ class Trainer:
         ids = ids[:n] if n else ids
         plan = [(t, g) for g, t in enumerate(ids) for _ in range(samples)]
         key = jax.random.fold_in(jax.random.key(c.seed + 1), step)
-        trajs, stats = self.runner("eval").run(plan, key)
+        trajs, stats = self.rollout(self.runner("eval"), plan, key)
         summary = metrics_lib.summarize(trajs, overall=getattr(self.family, "overall", "count-weighted"))
         summary.update(split=split, samples=samples, tasks=len(ids), seconds=stats.wall_s)
         self.log.write(name, step, {k: v for k, v in summary.items() if not isinstance(v, dict)}
@@ -211,7 +229,7 @@ class Trainer:
         ref_model = _copy_model(self.model) if needs_ref else None
         learner = Learner(self.model, self.loss_cfg, self.opt_cfg, mesh=self.mesh)
         tasks_it = self.task_iterator()
-        base_key = jax.random.key(c.seed)
+        base_key = distributed.replicate(jax.random.key(c.seed), self.mesh)
         ckpt = TrainCheckpointer(os.path.join(self.workdir, CHECKPOINT_DIR), keep=c.checkpoint.keep)
         start = 0
         if ckpt.latest_step() is not None:
@@ -229,7 +247,7 @@ class Trainer:
             t0 = time.time()
             task_ids = [int(t) for t in next(tasks_it)]
             plan = [(t, step * len(task_ids) + i) for i, t in enumerate(task_ids) for _ in range(c.rollout.group_size)]
-            trajs, rstats = train_runner.run(plan, jax.random.fold_in(base_key, step))
+            trajs, rstats = self.rollout(train_runner, plan, jax.random.fold_in(base_key, step))
             t1 = time.time()
             examples = build_examples(trajs, self.chat, self.forecast_cfg) if self.forecast_cfg else []
             mbs, host = build_minibatches(trajs, examples, self.spec, self.loss_cfg,
@@ -269,24 +287,6 @@ def _bucketed(minibatches):
 def _copy_model(model):
     graphdef, state = nnx.split(model)
     return nnx.merge(graphdef, jax.tree.map(lambda a: a.copy(), state))
-
-
-def _mesh(shape: tuple[int, ...]):
-    """The (data, fsdp, tp) mesh of `config.mesh`; -1 takes the remaining devices. A mesh of one
-    device means no mesh (plain single-device arrays)."""
-    n = jax.device_count()
-    shape = list(shape)
-    if shape.count(-1) > 1:
-        raise ValueError(f"config.mesh {tuple(shape)}: at most one -1")
-    if -1 in shape:
-        rest = int(np.prod([s for s in shape if s != -1]))
-        if n % rest:
-            raise ValueError(f"config.mesh {tuple(shape)} does not divide {n} devices")
-        shape[shape.index(-1)] = n // rest
-    size = int(np.prod(shape))
-    if size > n:
-        raise ValueError(f"config.mesh {tuple(shape)} needs {size} devices, have {n}")
-    return None if size == 1 else models.make_mesh(tuple(shape), devices=jax.devices()[:size])
 
 
 def _corpus(family, config) -> list[str]:

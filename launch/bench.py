@@ -15,6 +15,7 @@ SUITES = {
     "loss": "launch.bench_loss",
     "envs": "launch.bench_envs",
     "convert": "launch.bench_convert",
+    "rollout": "launch.bench_rollout",
 }
 
 flags.DEFINE_enum("suite", None, sorted(SUITES), "Which benchmark suite to run.")

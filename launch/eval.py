@@ -23,6 +23,7 @@ flags.DEFINE_string("split", None, "Task split (default: the config's eval split
 flags.DEFINE_integer("samples", None, "Samples per task (Avg@k).", lower_bound=1)
 flags.DEFINE_integer("tasks", None, "Evaluate only the first N tasks of the split.", lower_bound=1)
 flags.mark_flags_as_required(["config", "workdir"])
+cli.define_multihost_flags()
 FLAGS = flags.FLAGS
 
 

@@ -19,6 +19,7 @@ config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/demo.
 flags.DEFINE_string("workdir", None, "Run directory (created; an existing one is resumed).")
 flags.DEFINE_bool("progress", True, "Show the console progress bar.")
 flags.mark_flags_as_required(["config", "workdir"])
+cli.define_multihost_flags()
 FLAGS = flags.FLAGS
 
 
@@ -27,8 +28,11 @@ def main(argv):
     from cope_jax.runs import train_run
 
     final = train_run(FLAGS.config, FLAGS.workdir, progress=FLAGS.progress)
-    print(json.dumps({"workdir": os.path.abspath(FLAGS.workdir),
-                      "final_eval": {k: final.get(k) for k in ("succ", "score", "episodes")}}))
+    import jax
+
+    if jax.process_index() == 0:
+        print(json.dumps({"workdir": os.path.abspath(FLAGS.workdir),
+                          "final_eval": {k: final.get(k) for k in ("succ", "score", "episodes")}}))
 
 
 if __name__ == "__main__":

@@ -83,3 +83,20 @@ def test_sync_rollouts_are_reproducible(setup):
     c, _ = runner.run(tasks, jax.random.key(8))
     assert all(np.array_equal(x.tokens, y.tokens) for x, y in zip(a, b))
     assert not all(np.array_equal(x.tokens, y.tokens) for x, y in zip(a, c))
+
+
+def test_an_episode_samples_the_same_wherever_it_runs(setup):
+    """Per-episode keys: a plan split in two runs (as on two hosts, with other rows and batches, the
+    asynchronous schedule) plays the same episodes as the whole plan at once."""
+    tok, chat, sampler, pool = setup
+    runner = RolloutRunner(sampler, pool, "builtin", FAMILY, chat, RolloutConfig(max_rounds=3, max_turn_tokens=6))
+    tasks = [(t, g) for g, t in enumerate(FAMILY.task_ids("train")[:3]) for _ in range(2)]
+    whole, _ = runner.run(tasks, jax.random.key(5))
+    first, _ = runner.run(tasks[:2], jax.random.key(5))
+    second, _ = runner.run(tasks[2:], jax.random.key(5), episode_ids=range(2, 6))
+    assert len({tuple(t.tokens.tolist()) for t in whole}) > 1  # the rollouts of a task differ
+    for x, y in zip(whole, first + second):
+        np.testing.assert_array_equal(x.tokens, y.tokens)
+        np.testing.assert_allclose(x.sampler_logp, y.sampler_logp, atol=1e-5)
+    with pytest.raises(ValueError, match="episode_ids"):
+        runner.run(tasks, jax.random.key(5), episode_ids=range(3))

@@ -1,0 +1,180 @@
+"""Multi-host runs on JAX's multi-controller runtime: every host runs the same program.
+
+A run on several hosts (a TPU VM slice, several GPU machines, or several local CPU processes in
+the tests) works like this:
+
+- `initialize` joins the processes (`jax.distributed.initialize`); on TPU VMs, Slurm and Open MPI
+  every argument is detected, elsewhere the coordinator address, process count and id are given.
+- `run_mesh` builds the global (data, fsdp, tp) mesh over every device of every host; the train
+  step is one SPMD program over it (`cope_jax/train_step.py`).
+- Each host rolls out its own contiguous share of a step's episodes (`process_share`) with its
+  own environment pool and its own sampler. The sampler cannot run on the global mesh: hosts
+  decode different episodes, for different numbers of turns. It runs on `LocalReplica`, the
+  policy's parameters laid out on this host's block of the mesh (an all-gather across hosts once
+  per rollout batch, nothing when a host already holds a whole replica).
+- `allgather_objects` brings every host's trajectories to every host, in global episode order, so
+  each host builds the same packed mini-batches and `jax.device_put` takes each host's rows of the
+  globally sharded batch. Only token ids, masks and logprobs travel; the packing is host work.
+
+Only process 0 writes logs, plots and reports; Orbax checkpoints are written by every process.
+"""
+from __future__ import annotations
+
+import pickle
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+
+import models
+from models import qwen
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, *, timeout_s: int = 300) -> None:
+    """Joins this process to a multi-controller run (call before any other JAX work).
+
+    Arguments left None are detected (TPU VM slices, Slurm, Open MPI) or read from
+    JAX_COORDINATOR_ADDRESS; CPU processes exchange collectives over gloo (JAX's default).
+    """
+    if (num_processes is None) != (process_id is None):
+        raise ValueError("give both num_processes and process_id, or neither (auto-detection)")
+    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                               process_id=process_id, initialization_timeout=timeout_s)
+
+
+def run_mesh(shape: Sequence[int]) -> Mesh | None:
+    """The (data, fsdp, tp) mesh of `config.mesh`; -1 takes the remaining devices. A mesh of one
+    device means no mesh (plain single-device arrays). On several hosts the mesh must span every
+    device, and each host's devices must form a block of it (`local_mesh`)."""
+    n = jax.device_count()
+    shape = list(shape)
+    if shape.count(-1) > 1:
+        raise ValueError(f"config.mesh {tuple(shape)}: at most one -1")
+    if -1 in shape:
+        rest = int(np.prod([s for s in shape if s != -1]))
+        if n % rest:
+            raise ValueError(f"config.mesh {tuple(shape)} does not divide {n} devices")
+        shape[shape.index(-1)] = n // rest
+    size = int(np.prod(shape))
+    if size > n:
+        raise ValueError(f"config.mesh {tuple(shape)} needs {size} devices, have {n}")
+    if jax.process_count() > 1 and size != n:
+        raise ValueError(f"config.mesh {tuple(shape)} uses {size} of the {n} devices of "
+                         f"{jax.process_count()} hosts: a multi-host mesh must use them all")
+    if size == 1:
+        return None
+    mesh = models.make_mesh(tuple(shape), devices=jax.devices()[:size])
+    _process_block(mesh)  # fail at setup, not at the first rollout
+    return mesh
+
+
+def _process_block(mesh: Mesh, process: int | None = None) -> tuple[slice, ...]:
+    """The index box of `mesh.devices` that holds one process's devices (default: this one's)."""
+    process = jax.process_index() if process is None else process
+    mine = np.vectorize(lambda d: d.process_index)(mesh.devices) == process
+    idx = np.argwhere(mine)
+    box = tuple(slice(int(a), int(b)) for a, b in zip(idx.min(0), idx.max(0) + 1))
+    if not mine[box].all():
+        raise ValueError(f"the devices of process {process} do not form a block of the mesh "
+                         f"{dict(mesh.shape)}: choose a mesh whose host-local part is a sub-mesh "
+                         "(e.g. data or fsdp a multiple of the number of hosts)")
+    return box
+
+
+def local_mesh(mesh: Mesh) -> Mesh:
+    """This process's block of `mesh`, with the same axis names and types."""
+    return Mesh(mesh.devices[_process_block(mesh)], mesh.axis_names, axis_types=mesh.axis_types)
+
+
+class LocalReplica:
+    """The policy's parameters on this host's devices, for this host's sampler.
+
+    `model` is the policy itself on one host (the sampler reads the live parameters). On several
+    hosts it is a copy laid out on `local_mesh(mesh)` with the same logical sharding, refreshed by
+    `refresh()` before each rollout batch: one jitted reshard to a mesh with a leading `host` axis
+    (replicated over hosts, sharded within each as on the local mesh), whose shards on this host
+    are then wrapped as local arrays without another copy.
+    """
+
+    HOST_AXIS = "host"
+
+    def __init__(self, model, mesh: Mesh | None):
+        self.policy = model
+        self.multi_host = jax.process_count() > 1
+        if not self.multi_host:
+            self.model = model
+            return
+        local = local_mesh(mesh)
+        blocks = [mesh.devices[_process_block(mesh, p)] for p in range(jax.process_count())]
+        if len({b.shape for b in blocks}) != 1:
+            raise ValueError(f"hosts own differently shaped blocks of the mesh {dict(mesh.shape)}")
+        hosts = np.stack(blocks)
+        self._host_mesh = Mesh(hosts, (self.HOST_AXIS,) + tuple(mesh.axis_names),
+                               axis_types=(mesh.axis_types[0],) + tuple(mesh.axis_types))
+        params = nnx.state(model, nnx.Param)
+        shardings = qwen.state_shardings(params, local)
+        self._host_shardings = jax.tree.map(lambda s: NamedSharding(self._host_mesh, s.spec), shardings)
+        self._local_shardings = shardings
+        self._gather = jax.jit(lambda p: p, out_shardings=self._host_shardings)
+        graphdef, _ = nnx.split(qwen.abstract_model(model.cfg, local))
+        self.model = nnx.merge(graphdef, self._local_view(params))
+
+    def refresh(self) -> None:
+        """Copies the policy's current parameters into the replica (a no-op on one host)."""
+        if self.multi_host:
+            nnx.update(self.model, self._local_view(nnx.state(self.policy, nnx.Param)))
+
+    def _local_view(self, params):
+        gathered = self._gather(params)
+        return jax.tree.map(
+            lambda a, s: jax.make_array_from_single_device_arrays(a.shape, s, [x.data for x in a.addressable_shards]),
+            gathered, self._local_shardings)
+
+
+def process_share(n: int) -> slice:
+    """This process's contiguous share of n items (the first n % P processes take one more)."""
+    p, i = jax.process_count(), jax.process_index()
+    sizes = [n // p + (k < n % p) for k in range(p)]
+    start = sum(sizes[:i])
+    return slice(start, start + sizes[i])
+
+
+def allgather_objects(obj: Any) -> list[Any]:
+    """Every process's `obj` (picklable), in process order, on every process."""
+    if jax.process_count() == 1:
+        return [obj]
+    data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int64))).reshape(-1)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:data.size] = data
+    stacked = np.asarray(multihost_utils.process_allgather(padded))
+    return [pickle.loads(stacked[p, :int(sizes[p])].tobytes()) for p in range(len(sizes))]
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Process 0's `obj` on every process (the others pass anything, e.g. None)."""
+    return allgather_objects(obj if jax.process_index() == 0 else None)[0]
+
+
+def gather_shares(items: Sequence[Any]) -> list[Any]:
+    """Concatenates every process's share (`process_share` order) back into the global list."""
+    return [x for share in allgather_objects(list(items)) for x in share]
+
+
+def replicate(tree, mesh: Mesh | None):
+    """Commits host-made arrays (e.g. the run's PRNG key) replicated on the mesh, so every process
+    holds the same global array and Orbax saves it once."""
+    if mesh is None:
+        return tree
+    replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def one(x):  # from host values: device_put does not take one process's device array to a global mesh
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            data = jax.device_put(np.asarray(jax.random.key_data(x)), replicated)
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+        return jax.device_put(np.asarray(x), replicated)
+    return jax.tree.map(one, tree)

@@ -1,0 +1,97 @@
+"""Multi-host training on one machine: the real training loop in 2 local processes (2 fake CPU
+devices each, joined by `jax.distributed` over a local coordinator) gives the same losses and
+metrics as one process over 4 devices, with the same global (data, fsdp, tp) mesh; only process 0
+writes the logs; both write the Orbax checkpoints."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from configs import demo
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT_S = 240  # a hung coordinator fails the test instead of hanging CI
+TIMING = ("seconds", "_s", "per_s")
+
+
+def _config_flags(workdir):
+    c = demo.get_config("cope")
+    c.model.update(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)
+    c.env.update(workers=1, max_rounds_train=3, max_rounds_eval=3)
+    c.rollout.update(tasks_per_step=2, group_size=2, max_turn_tokens=6, max_len=512, sampler_rows=4)
+    c.train.update(steps=2, minibatch_tasks=2, row_len=512, rows_per_micro=2, learning_rate=1e-3)
+    c.warmstart.update(steps=0)
+    c.eval.update(every=2, tasks=2, samples=1)
+    c.checkpoint.update(every=2, keep=2)
+    flags = [f"--config={REPO}/configs/demo.py:cope", f"--workdir={workdir}", "--noprogress",
+             "--config.tokenizer=sentencepiece:320", "--config.mesh=(1,4,1)"]
+    for section in ("model", "env", "rollout", "train", "warmstart", "eval", "checkpoint"):
+        flags += [f"--config.{section}.{k}={v}" for k, v in c[section].items()]
+    return flags
+
+
+def _env(devices):
+    return dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu",
+                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _records(workdir):
+    out = {}
+    for r in map(json.loads, open(os.path.join(workdir, "metrics.jsonl"))):
+        key = (r["kind"], r["step"])
+        assert key not in out, f"{key} logged twice: only process 0 writes"
+        out[key] = {k: v for k, v in r.items() if not k.endswith(TIMING)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(one-process workdir, two-process workdir, the two processes' outputs); the three run at once."""
+    base = tmp_path_factory.mktemp("multihost")
+    one, two = str(base / "one"), str(base / "two")
+    cmd = [sys.executable, "-m", "launch.train"]
+    port = _free_port()
+    multi = [cmd + _config_flags(two) + ["--multihost", f"--coordinator_address=localhost:{port}",
+                                         "--num_processes=2", f"--process_id={i}"] for i in range(2)]
+    procs = [subprocess.Popen(args, env=_env(devices), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+             for args, devices in [(cmd + _config_flags(one), 4), (multi[0], 2), (multi[1], 2)]]
+    try:
+        outs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for name, p, out in zip(("single", "process 0", "process 1"), procs, outs):
+        assert p.returncode == 0, f"{name} failed:\n{out[-3000:]}"
+    return one, two, outs[1:]
+
+
+def test_two_processes_train_like_one(runs):
+    one, two, _ = runs
+    a, b = _records(one), _records(two)
+    assert sorted(a) == sorted(b) and ("train", 2) in a and ("eval", 2) in a
+    for key in a:
+        assert sorted(a[key]) == sorted(b[key]), key
+        for name, va in a[key].items():
+            if isinstance(va, float):
+                np.testing.assert_allclose(b[key][name], va, rtol=1e-4, atol=1e-6, err_msg=f"{key} {name}")
+            else:
+                assert b[key][name] == va, (key, name)
+    assert a[("train", 1)]["loss"] != a[("train", 2)]["loss"]  # the steps trained something
+
+
+def test_checkpoints_from_all_processes_and_one_log(runs):
+    _, two, outs = runs
+    assert os.listdir(os.path.join(two, "checkpoints")) == ["2"]
+    assert [json.loads(l)["workdir"] for l in outs[0].splitlines() if l.startswith("{")] == [two]
+    assert not [l for l in outs[1].splitlines() if l.startswith("{\"workdir\"")]
