@@ -11,8 +11,8 @@ Three sub-task families (for per-family metrics), each needing several correct s
 - deliver: "Task: put the cup in the box."   walk to the object, take it, walk to the box, put it;
 - unlock:  "Task: go to the attic."          the attic's door is locked: fetch the key, walk to the
                                              door, `open door`, go through.
-Every observation after a move, take, open or put describes the room, including the side the agent
-came in by ("You came in from the south."); exits are listed in right-hand-rule order relative to
+Every observation after a move, take, open or put restates the task and describes the room,
+including the side the agent came in by ("You came in from the south."); exits are listed in right-hand-rule order relative to
 the agent's heading (right, straight, left, back; heading north at the start).
 Anything the house cannot do answers the fixed invalid-action message "Nothing happens.".
 Score = fraction of the family's milestones reached (e.g. deliver: holding the object 0.5, object in
@@ -349,12 +349,12 @@ class BuiltinEnv(EnvFamily):
                 lock = task.locked == (st.room, d) and not st.door_open
                 exits.append(d + (" (locked)" if lock else ""))
         came = f" You came in from the {st.came_from}." if st.came_from else ""
-        return f"You are in the {st.room}.{came} You see {seen}. Exits: {', '.join(exits)}."
+        return f"{task.text()} You are in the {st.room}.{came} You see {seen}. Exits: {', '.join(exits)}."
 
     def _reset(self, task_id: int) -> tuple[str, dict[str, Any]]:
         self._task = task = generate_task(task_id)
         self._state = _State(room=task.start, items=dict(task.items))
-        return f"{task.text()} {self._describe()}", {"task": task.text(), "score": 0.0, "won": False}
+        return self._describe(), {"task": task.text(), "score": 0.0, "won": False}
 
     def _step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
         obs = self._apply(" ".join(action.lower().split()))

@@ -126,7 +126,7 @@ def test_invalid_actions_and_unparseable_replies(env):
     obs, score, done, info = env.step(None)           # unparseable reply: costs a round
     assert obs == INVALID and info["rounds"] == 2 and info["parsed"] is False
     obs, *_ = env.step("look")
-    assert obs == obs0.split(". ", 1)[1]                # look repeats the room, task line dropped
+    assert obs == obs0                                  # look repeats the task and the room
 
 
 def test_step_cap_truncates(env):
