@@ -59,30 +59,65 @@ def check_destination(dst: str, overwrite: bool) -> None:
 
 @contextlib.contextmanager
 def atomic_output_dir(dst: str, *, overwrite: bool = False):
-    """Yields a temporary directory beside `dst` that replaces `dst` when the block succeeds."""
+    """Yields a temporary directory beside `dst` that replaces `dst` when the block succeeds.
+
+    In a multi-host JAX run every process calls this together: they all write into one temporary
+    directory (named by process 0), and process 0 renames it once every process is done."""
+    import jax
+
+    hosts = jax.process_count()
+    main = jax.process_index() == 0
     dst = os.path.abspath(dst)
     check_destination(dst, overwrite)
     parent = os.path.dirname(dst)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.tmp-", dir=parent)
+    tmp = None
+    if main:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.tmp-", dir=parent)
+    if hosts > 1:
+        tmp = os.path.join(parent, _broadcast_name(None if tmp is None else os.path.basename(tmp)))
     try:
         yield tmp
-        _set_default_mode(tmp)
-        check_destination(dst, overwrite)  # something may have appeared meanwhile
-        if os.path.isdir(dst) and os.listdir(dst):
-            old = os.path.join(parent, f".{os.path.basename(dst)}.old-{uuid.uuid4().hex[:8]}")
-            os.rename(dst, old)
-            try:
-                os.rename(tmp, dst)
-            except OSError:
-                os.rename(old, dst)
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dst)  # also replaces an empty directory
+        _barrier(f"written {dst}", hosts)
+        if main:
+            _set_default_mode(tmp)
+            check_destination(dst, overwrite)  # something may have appeared meanwhile
+            if os.path.isdir(dst) and os.listdir(dst):
+                old = os.path.join(parent, f".{os.path.basename(dst)}.old-{uuid.uuid4().hex[:8]}")
+                os.rename(dst, old)
+                try:
+                    os.rename(tmp, dst)
+                except OSError:
+                    os.rename(old, dst)
+                    raise
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, dst)  # also replaces an empty directory
+        _barrier(f"renamed {dst}", hosts)
     finally:
-        if os.path.isdir(tmp):
+        if main and os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _broadcast_name(name: str | None) -> str:
+    """Process 0's directory name on every process (fixed-width bytes through a collective)."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    width = 256
+    data = np.zeros(width, np.uint8)
+    if name is not None:
+        raw = name.encode()
+        data[:len(raw)] = np.frombuffer(raw, np.uint8)
+    out = np.asarray(multihost_utils.broadcast_one_to_all(data))
+    return out[out > 0].tobytes().decode()
+
+
+def _barrier(what: str, hosts: int) -> None:
+    if hosts > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(what)
 
 
 def _set_default_mode(path: str) -> None:

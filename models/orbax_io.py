@@ -123,9 +123,10 @@ def save_orbax(model: qwen.Qwen, directory: str, *, dtype=None, carry_from: str 
         with ocp.StandardCheckpointer() as checkpointer:
             checkpointer.save(os.path.join(tmp, model_dir.ORBAX_PARAMS_DIR), tree)
             checkpointer.wait_until_finished()
-        hf_io.write_json(os.path.join(tmp, model_dir.CONFIG_FILE), hf_io.hf_config_dict(cfg, dtype))
-        carried = model_dir.carry_files(carry_from, tmp) if carry_from else []
-        if model_dir.GENERATION_CONFIG_FILE not in carried:
-            hf_io.write_json(os.path.join(tmp, model_dir.GENERATION_CONFIG_FILE),
-                             hf_io.minimal_generation_config(cfg))
+        if jax.process_index() == 0:  # the side files: once
+            hf_io.write_json(os.path.join(tmp, model_dir.CONFIG_FILE), hf_io.hf_config_dict(cfg, dtype))
+            carried = model_dir.carry_files(carry_from, tmp) if carry_from else []
+            if model_dir.GENERATION_CONFIG_FILE not in carried:
+                hf_io.write_json(os.path.join(tmp, model_dir.GENERATION_CONFIG_FILE),
+                                 hf_io.minimal_generation_config(cfg))
         return sorted(os.listdir(tmp))

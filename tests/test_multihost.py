@@ -1,7 +1,8 @@
 """Multi-host training on one machine: the real training loop in 2 local processes (2 fake CPU
 devices each, joined by `jax.distributed` over a local coordinator) gives the same losses and
-metrics as one process over 4 devices, with the same global (data, fsdp, tp) mesh; only process 0
-writes the logs; both write the Orbax checkpoints."""
+metrics as one process over 4 devices, with the same global (data, fsdp, tp) mesh: warm start,
+RL steps and evaluations. Only process 0 writes the logs; both write the Orbax checkpoints and the
+warm-start model directory."""
 import json
 import os
 import socket
@@ -24,7 +25,7 @@ def _config_flags(workdir):
     c.env.update(workers=1, max_rounds_train=3, max_rounds_eval=3)
     c.rollout.update(tasks_per_step=2, group_size=2, max_turn_tokens=6, max_len=512, sampler_rows=4)
     c.train.update(steps=2, minibatch_tasks=2, row_len=512, rows_per_micro=2, learning_rate=1e-3)
-    c.warmstart.update(steps=0)
+    c.warmstart.update(steps=2, tasks=8, batch_episodes=4)  # expert shares per host, a model dir from both
     c.eval.update(every=2, tasks=2, samples=1)
     c.checkpoint.update(every=2, keep=2)
     flags = [f"--config={REPO}/configs/demo.py:cope", f"--workdir={workdir}", "--noprogress",
@@ -79,7 +80,7 @@ def runs(tmp_path_factory):
 def test_two_processes_train_like_one(runs):
     one, two, _ = runs
     a, b = _records(one), _records(two)
-    assert sorted(a) == sorted(b) and ("train", 2) in a and ("eval", 2) in a
+    assert sorted(a) == sorted(b) and {("warmstart", 2), ("train", 2), ("eval", 2)} <= set(a)
     for key in a:
         assert sorted(a[key]) == sorted(b[key]), key
         for name, va in a[key].items():
@@ -93,5 +94,6 @@ def test_two_processes_train_like_one(runs):
 def test_checkpoints_from_all_processes_and_one_log(runs):
     _, two, outs = runs
     assert os.listdir(os.path.join(two, "checkpoints")) == ["2"]
+    assert sorted(os.listdir(os.path.join(two, "warmstart"))) == ["config.json", "generation_config.json", "params"]
     assert [json.loads(l)["workdir"] for l in outs[0].splitlines() if l.startswith("{")] == [two]
     assert not [l for l in outs[1].splitlines() if l.startswith("{\"workdir\"")]
