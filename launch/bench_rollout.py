@@ -196,15 +196,11 @@ def measure(family_name: str, model, tokenizer, style: str) -> dict:
     return out
 
 
-def run_rollout_bench() -> list[dict]:
-    model, tokenizer, style = _policy()
-    return [measure(f, model, tokenizer, style) for f in FLAGS.rollout_families]
-
-
 def run(argv) -> None:
     del argv
-    for line in run_rollout_bench():
-        print(json.dumps(line), flush=True)
+    model, tokenizer, style = _policy()
+    for family in FLAGS.rollout_families:
+        print(json.dumps(measure(family, model, tokenizer, style)), flush=True)
 
 
 if __name__ == "__main__":  # pragma: no cover
