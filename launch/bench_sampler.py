@@ -10,11 +10,14 @@ implementations (a first round, which compiles, is discarded):
   `generate(max_new_tokens=1)`).
 - decode_tok_s: batch * (N - 1) / (time for N new tokens - time for 1).
 Lines are JSON; each config/batch ends with a `ratio` line (ours / transformers for tokens/s,
-transformers / ours for prefill time) and the fraction of greedy tokens on which both agree.
+transformers / ours for prefill time), the fraction of greedy tokens on which both agree, torch's
+intra-op thread count and the CPUs XLA's thread pool spans (both use every core by default), and
+the 1-minute load average (the machine may be shared).
 """
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import time
 
@@ -127,4 +130,5 @@ def run(argv: list[str]) -> None:
                       decode_speedup=round(ours["decode_tok_s"] / ref["decode_tok_s"], 2),
                       prefill_speedup=round(ref["prefill_s"] / ours["prefill_s"], 2),
                       greedy_tokens_agree=round(float(np.mean(outs["cope_jax"][new_tokens] ==
-                                                               outs["transformers"][new_tokens])), 3))
+                                                               outs["transformers"][new_tokens])), 3),
+                      torch_threads=torch.get_num_threads(), cpus=os.cpu_count(), load=round(os.getloadavg()[0], 2))
