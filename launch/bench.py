@@ -16,6 +16,7 @@ SUITES = {
     "envs": "launch.bench_envs",
     "convert": "launch.bench_convert",
     "rollout": "launch.bench_rollout",
+    "learning": "launch.bench_learning",
 }
 
 flags.DEFINE_enum("suite", None, sorted(SUITES), "Which benchmark suite to run.")

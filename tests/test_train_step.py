@@ -389,3 +389,30 @@ def test_sharded_step_equals_single_device(setup):
     assert scale > 1e-2
     for got, want in deltas:
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * scale)
+
+
+def test_grpo_steps_favour_successful_rollouts(setup):
+    # Behaviour, not parity: a few GRPO steps must raise the likelihood of the actions of rollouts
+    # that succeeded in their group and lower that of those that failed (a sign error cannot pass).
+    model = fresh_model()
+    spec, cfg = methods.METHODS["grpo"], dataclasses.replace(LOSS, kl_coef=0.0, entropy_coef=0.0)
+    trajs = [t for t in TRAJS if t.group_id in (0, 2)]    # mixed groups: both have a signal
+
+    def action_logp(m):
+        out = []
+        for t in trajs:
+            logits = m(jnp.asarray([t.tokens], jnp.int32)) / cfg.temperature
+            logp = jax.nn.log_softmax(logits[0, :-1], -1)
+            lp = jnp.take_along_axis(logp, jnp.asarray(t.tokens[1:])[:, None], -1)[:, 0]
+            out.append(float(jnp.sum(lp * jnp.asarray(t.action_mask[1:]))))
+        return np.array(out)
+
+    before = action_logp(model)
+    learner = train_step.Learner(model, cfg, train_step.OptimizerConfig(learning_rate=3e-3))
+    for _ in range(3):
+        mbs, _ = batching.build_minibatches(trajs, [], spec, cfg, groups_per_minibatch=2, row_len=ROW_LEN,
+                                            rows_per_micro=ROWS)
+        learner.train(mbs)
+    delta = action_logp(model) - before
+    won = np.array([t.success for t in trajs], bool)
+    assert (delta[won] > 0).all() and (delta[~won] < 0).all(), (delta, won)
