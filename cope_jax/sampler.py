@@ -96,20 +96,20 @@ def _bucket(n: int, buckets: Sequence[int]) -> int:
 def _take(cache: KVCache, pending, rows, window: int, compact: bool):
     """The window of the cache that a call works on: rows (compact) x slots [0, window)."""
     if not compact:
-        return KVCache(k=cache.k[..., :window, :], v=cache.v[..., :window, :], lengths=cache.lengths), pending
+        return KVCache(k=cache.k[:, :, :window], v=cache.v[:, :, :window], lengths=cache.lengths), pending
     idx = jnp.minimum(rows, cache.lengths.shape[0] - 1)  # padding rows (index B) read row B-1
-    sub = KVCache(k=cache.k[:, idx, :, :window], v=cache.v[:, idx, :, :window], lengths=cache.lengths[idx])
+    sub = KVCache(k=cache.k[:, idx, :window], v=cache.v[:, idx, :window], lengths=cache.lengths[idx])
     return sub, pending[idx]
 
 
 def _put(cache: KVCache, pending, sub: KVCache, sub_pending, rows, window: int, compact: bool):
     """Writes a window back in place; padding rows (index B) are dropped."""
     if not compact:
-        k = jax.lax.dynamic_update_slice_in_dim(cache.k, sub.k, 0, axis=3)
-        v = jax.lax.dynamic_update_slice_in_dim(cache.v, sub.v, 0, axis=3)
+        k = jax.lax.dynamic_update_slice_in_dim(cache.k, sub.k, 0, axis=2)
+        v = jax.lax.dynamic_update_slice_in_dim(cache.v, sub.v, 0, axis=2)
         return KVCache(k=k, v=v, lengths=sub.lengths), sub_pending
-    k = cache.k.at[:, rows, :, :window].set(sub.k, mode="drop")
-    v = cache.v.at[:, rows, :, :window].set(sub.v, mode="drop")
+    k = cache.k.at[:, rows, :window].set(sub.k, mode="drop")
+    v = cache.v.at[:, rows, :window].set(sub.v, mode="drop")
     lengths = cache.lengths.at[rows].set(sub.lengths, mode="drop")
     return KVCache(k=k, v=v, lengths=lengths), pending.at[rows].set(sub_pending, mode="drop")
 
@@ -122,13 +122,13 @@ def _prefill(graphdef, params, weights, cache, pending, rows, tokens, num_new, p
 
     rows [R] (compact: state rows, padding = B); tokens [R, T]; prepend [R] bool: tokens[r, 0] is
     replaced by the row's pending token (extension); new_pending [R] (-1: keep); reset [R] bool:
-    the row starts empty (a new episode in a reused slot). weights: `Qwen.decode_weights()` or None.
+    the row starts empty (a new episode in a reused slot). weights: `_unrolled_weights` or None.
     """
     model = nnx.merge(graphdef, params)
     sub, sub_pending = _take(cache, pending, rows, window, compact)
     sub = sub.replace(lengths=jnp.where(reset, 0, sub.lengths))
     tokens = tokens.at[:, 0].set(jnp.where(prepend, sub_pending, tokens[:, 0]))
-    _, sub = model.decode(tokens, num_new, sub, weights)
+    _, sub = model.decode(tokens, num_new, sub, None if weights is None else weights[0])
     sub_pending = jnp.where(new_pending >= 0, new_pending, sub_pending)
     return _constrain(_put(cache, pending, sub, sub_pending, rows, window, compact), shardings)
 
@@ -145,6 +145,7 @@ def _decode_loop(graphdef, params, weights, cache, pending, rows, knobs, max_ste
     logprobs [R, steps], n [R], finish codes [R]).
     """
     model = nnx.merge(graphdef, params)
+    layer_weights, head_t = (None, None) if weights is None else weights
     sub, sub_pending = _take(cache, pending, rows, window, compact)
     R = sub_pending.shape[0]
     done = max_steps <= 0
@@ -158,8 +159,8 @@ def _decode_loop(graphdef, params, weights, cache, pending, rows, knobs, max_ste
 
     def body(s):
         active = ~s["done"]
-        h, new_cache = model.decode(s["pending"][:, None], active.astype(jnp.int32), s["cache"], weights)
-        logits = model.unembed(h[:, 0], weights)
+        h, new_cache = model.decode(s["pending"][:, None], active.astype(jnp.int32), s["cache"], layer_weights)
+        logits = model.unembed(h[:, 0], head_t)
         # a row's randomness depends only on (its key, step): not on which other rows run
         tok = sample_tokens(logits, lambda: jax.vmap(lambda k: jax.random.fold_in(k, s["step"]))(row_keys), **knobs)
         lp = token_logprobs(logits, tok)
@@ -180,8 +181,9 @@ def _decode_loop(graphdef, params, weights, cache, pending, rows, knobs, max_ste
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
 def _unrolled_weights(graphdef, params):
-    """`Qwen.decode_weights()`: the decode layout for XLA:CPU."""
-    return nnx.merge(graphdef, params).decode_weights()
+    """(per-layer weight dicts, LM head as [E, V]): the decode layout for XLA:CPU."""
+    model = nnx.merge(graphdef, params)
+    return model.layer_weights(), model.lm_head_weight().T
 
 
 @jax.jit
@@ -205,9 +207,10 @@ class Sampler:
     (longer ones are prefilled in chunks). The model's parameters are read at every call, so an
     optimizer updating the model in place is seen by the next turn without re-building anything.
 
-    unroll_layers (default: on CPU) runs the layers unrolled on `Qwen.decode_weights()` (fused
-    [out, in] projections, streamed once per step), kept until the model's parameters change. It
-    costs a second copy of the layer weights, so it is off on accelerators.
+    unroll_layers (default: on CPU) runs the layers unrolled on per-layer copies of the weights
+    and a transposed LM head, kept until the model's parameters change: XLA:CPU would otherwise
+    copy each layer's weights out of the stacked arrays at every step. It costs a second copy of
+    the weights, so it is off on accelerators.
     """
 
     def __init__(self, model, *, batch_size: int, max_len: int, eos_ids: Sequence[int] | None = None,
@@ -239,7 +242,7 @@ class Sampler:
         if self.mesh is None:
             return None
         cfg, B = self.cfg, self.batch_size
-        shape = (cfg.num_layers, B, cfg.num_kv_heads, self.max_len, cfg.head_dim)
+        shape = (cfg.num_layers, B, self.max_len, cfg.num_kv_heads, cfg.head_dim)
         kv = shd.named_sharding(CACHE_AXES, shape, self.mesh)
         batch = shd.named_sharding(("batch",), (B,), self.mesh)
         return KVCache(k=kv, v=kv, lengths=batch), batch

@@ -11,9 +11,6 @@ Layout decisions:
   attention across segments), `hidden_states` + `unembed` for the chunked-vocab train step, and
   `decode(tokens, num_new, cache)` for the sampler's KV cache (prefill, decode and multi-turn
   extension are all "append `num_new[b]` tokens to row b").
-- The KV cache is head-major (`[layers, batch, kv_heads, slots, head_dim]`), the layout attention
-  reads, so a decode step attends over it without transposing it.
-- `decode_weights()` is a second, CPU decode layout of the same parameters (see its docstring).
 """
 from __future__ import annotations
 
@@ -47,7 +44,7 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "layers/up_proj": ("layers", "embed", "mlp"),
     "layers/down_proj": ("layers", "mlp", "embed"),
 }
-CACHE_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
+CACHE_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
 
 REMAT_POLICIES = {
     "none": None,
@@ -107,14 +104,14 @@ class DecoderStack(nnx.Module):
 class KVCache:
     """Per-row KV cache. Row b holds one sequence in slots [0, lengths[b]); slot == position."""
 
-    k: jax.Array  # [layers, batch, kv_heads, max_len, head_dim]
+    k: jax.Array  # [layers, batch, max_len, kv_heads, head_dim]
     v: jax.Array
     lengths: jax.Array  # [batch] int32
 
     @classmethod
     def zeros(cls, cfg: QwenConfig, batch: int, max_len: int, dtype=None, mesh=None) -> "KVCache":
         dtype = jnp.dtype(dtype or cfg.dtype)
-        shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+        shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
         # k and v are distinct buffers so a jitted update can donate both
         k, v = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
         lengths = jnp.zeros((batch,), jnp.int32)
@@ -126,7 +123,7 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[3]
+        return self.k.shape[2]
 
 
 class Qwen(nnx.Module):
@@ -165,14 +162,15 @@ class Qwen(nnx.Module):
         x, _ = self._run_layers(tokens, positions, mask, cache=None)
         return x
 
-    def decode(self, tokens, num_new, cache: KVCache, weights=None) -> tuple[jax.Array, KVCache]:
+    def decode(self, tokens, num_new, cache: KVCache, layer_weights=None) -> tuple[jax.Array, KVCache]:
         """Appends tokens[b, :num_new[b]] to row b of `cache`; returns hidden [B, T, E], new cache.
 
         Positions are the cache slots (lengths[b] + t). Entries t >= num_new[b] are padding: their
         outputs are garbage and they are not written. Tokens that would land past the cache end are
         dropped; callers must check `lengths + num_new <= max_len` (the sampler finishes such a row
-        with `context_full`). `weights` (from `decode_weights()`, made once outside a decode loop)
-        runs the layers unrolled on that layout instead of the stacked parameters.
+        with `context_full`). `layer_weights` (from `layer_weights()`, computed once outside a decode
+        loop) runs the layers unrolled on per-layer arrays instead of slicing the stacked weights at
+        every step, which XLA:CPU does by copying them.
 
         Each layer writes its new K/V into the cache and then attends over the cache: the next
         layer's write depends on this layer's reads, so XLA updates the cache in place (a write
@@ -186,38 +184,26 @@ class Qwen(nnx.Module):
         slots = jnp.where(t[None, :] < num_new[:, None], positions, cache.max_len)  # OOB -> dropped
         mask = jnp.arange(cache.max_len)[None, None, :] <= positions[:, :, None]  # [B, T, S]
         x, (k, v) = self._run_layers(tokens, positions, mask, cache=(cache.k, cache.v, slots),
-                                     layer_weights=None if weights is None else weights[0])
+                                     layer_weights=layer_weights)
         lengths = jnp.minimum(cache.lengths + num_new, cache.max_len)
         return x, KVCache(k=k, v=v, lengths=lengths)
 
-    def unembed(self, hidden, weights=None) -> jax.Array:
-        """hidden [..., E] -> float32 logits [..., V]. weights: `decode_weights()` (its head)."""
-        if weights is not None:
-            return dense_out_in(hidden, weights[1])
+    def unembed(self, hidden, head_t=None) -> jax.Array:
+        """hidden [..., E] -> float32 logits [..., V].
+
+        head_t: the head transposed to [E, V], made once outside a decode loop: XLA:CPU multiplies
+        small batches by it faster than by the stored [V, E].
+        """
+        if head_t is not None:
+            return jnp.einsum("...e,ev->...v", hidden, head_t.astype(hidden.dtype),
+                              preferred_element_type=jnp.float32)
         return jnp.einsum("...e,ve->...v", hidden, self.lm_head_weight().astype(hidden.dtype),
                           preferred_element_type=jnp.float32)
 
-    def decode_weights(self) -> tuple[list[dict[str, jax.Array]], jax.Array]:
-        """The parameters in the CPU decode layout: (one dict per layer, head [V, E]).
-
-        Projections that read the same input are concatenated along their output axis (q/k/v as
-        `qkv`, gate/up as `gate_up`) and every matrix is stored [out, in], multiplied by
-        `dense_out_in`: a decode step then streams each weight once, in a few large products, and
-        slices nothing out of the stacked arrays (which XLA:CPU would copy at every step). The head
-        is the [V, E] parameter itself. Made once outside a decode loop; it costs a copy of the
-        layer weights, so the sampler uses it on CPU only.
-        """
-        cfg = self.cfg
-        p = self.layers.arrays()
-        flat = lambda name: p[name].reshape(cfg.num_layers, cfg.hidden_size, -1)  # [L, E, out]
-        out_in = lambda *names: jnp.swapaxes(jnp.concatenate([flat(n) for n in names], -1), 1, 2)
-        fused = {"qkv": out_in(*_QKV), "gate_up": out_in("gate_proj", "up_proj"),
-                 "o": jnp.swapaxes(p["o_proj"].reshape(cfg.num_layers, -1, cfg.hidden_size), 1, 2),
-                 "down": jnp.swapaxes(p["down_proj"], 1, 2)}
-        if cfg.qkv_bias:
-            fused["qkv_bias"] = jnp.concatenate([p[n].reshape(cfg.num_layers, -1) for n in _QKV_BIAS], -1)
-        fused.update({k: p[k] for k in ("attn_norm", "mlp_norm", "q_norm", "k_norm") if k in p})
-        return [{k: v[i] for k, v in fused.items()} for i in range(cfg.num_layers)], self.lm_head_weight()
+    def layer_weights(self) -> list[dict[str, jax.Array]]:
+        """One dict of weight arrays per decoder layer (slices of the stacked weights)."""
+        params = self.layers.arrays()
+        return [{k: v[i] for k, v in params.items()} for i in range(self.cfg.num_layers)]
 
     def lm_head_weight(self) -> jax.Array:
         """[V, E]: the untied head, or the embedding when tied."""
@@ -254,89 +240,54 @@ class Qwen(nnx.Module):
         return x, kv
 
 
-_QKV = ("q_proj", "k_proj", "v_proj")
-_QKV_BIAS = ("q_bias", "k_bias", "v_bias")
-
-
 def _decoder_layer(p: dict[str, jax.Array], x, kv, layer, slots, *, cfg: QwenConfig, cos, sin, mask, mesh):
-    """One pre-norm decoder layer -> (x, kv). p: one layer of the stacked parameters, or of
-    `Qwen.decode_weights()` (fused [out, in] projections: `qkv` present).
+    """One pre-norm decoder layer -> (x, kv).
 
-    kv: None (attend over the T tokens themselves), or the stacked cache (k, v [L,B,K,S,D]): this
-    layer's K/V are written at [layer, b, :, slots[b, t]] and attention reads cache row `layer`.
+    kv: None (attend over the T tokens themselves), or the stacked cache (k, v [L,B,S,K,D]): this
+    layer's K/V are written at [layer, b, slots[b, t]] and attention reads cache row `layer`.
     """
     dtype = jnp.dtype(cfg.dtype)
     w = {k: v.astype(dtype) for k, v in p.items()}
-    fused = "qkv" in w
-    B, T = x.shape[:2]
-    H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps).astype(dtype)
-    if fused:
-        qkv = dense_out_in(h, w["qkv"]) + w.get("qkv_bias", 0)
-        q, k, v = jnp.split(qkv.astype(dtype), [H * D, (H + K) * D], -1)
-        q, k, v = q.reshape(B, T, H, D), k.reshape(B, T, K, D), v.reshape(B, T, K, D)
-    else:
-        q, k, v = (jnp.einsum("bte,ehd->bthd", h, w[n]) for n in _QKV)
-        if cfg.qkv_bias:
-            q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
+    q = jnp.einsum("bte,ehd->bthd", h, w["q_proj"])
+    k = jnp.einsum("bte,ehd->bthd", h, w["k_proj"])
+    v = jnp.einsum("bte,ehd->bthd", h, w["v_proj"])
+    if cfg.qkv_bias:
+        q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
     if cfg.qk_norm:
         q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     q = shd.constrain(q, ("batch", "seq", "q_heads", "head_dim"), mesh)
     if kv is None:
-        o = attention(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), mask)
+        o = attention(q, k, v, mask)
     else:
-        rows = jnp.arange(B)[:, None]
-        kv = tuple(c.at[layer, rows, :, slots].set(new.astype(c.dtype), mode="drop") for c, new in zip(kv, (k, v)))
+        rows = jnp.arange(k.shape[0])[:, None]
+        kv = tuple(c.at[layer, rows, slots].set(new.astype(c.dtype), mode="drop") for c, new in zip(kv, (k, v)))
         o = attention(q, kv[0][layer].astype(dtype), kv[1][layer].astype(dtype), mask)
-    if fused:
-        x = x + dense_out_in(o.reshape(B, T, H * D), w["o"])
-    else:
-        x = x + jnp.einsum("bthd,hde->bte", o, w["o_proj"])
+    x = x + jnp.einsum("bthd,hde->bte", o, w["o_proj"])
     x = shd.constrain(x, ("batch", "seq", "act_embed"), mesh)
     h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps).astype(dtype)
-    if fused:
-        gate, up = jnp.split(dense_out_in(h, w["gate_up"]).astype(dtype), 2, -1)
-        x = x + dense_out_in(jax.nn.silu(gate) * up, w["down"])
-    else:
-        gate = jnp.einsum("bte,ef->btf", h, w["gate_proj"])
-        up = jnp.einsum("bte,ef->btf", h, w["up_proj"])
-        x = x + jnp.einsum("btf,fe->bte", jax.nn.silu(gate) * up, w["down_proj"])
+    gate = jnp.einsum("bte,ef->btf", h, w["gate_proj"])
+    up = jnp.einsum("bte,ef->btf", h, w["up_proj"])
+    x = x + jnp.einsum("btf,fe->bte", jax.nn.silu(gate) * up, w["down_proj"])
     x = shd.constrain(x, ("batch", "seq", "act_embed"), mesh)
     return x, kv
 
 
-def dense_out_in(x, w) -> jax.Array:
-    """x [..., in] times w [out, in] -> float32 [..., out] (the decode layout's product).
-
-    For 2..16 rows (decode steps) it is written as a broadcast multiply and a sum over `in`:
-    XLA:CPU streams the weight once for all rows, where its matmul kernels repack the weight at
-    every call and run several times slower at these shapes. One row (a matrix-vector product)
-    and prefill-sized inputs keep the matmul. The rows are flattened first: XLA:CPU's fused
-    reduction miscomputes this product when the rows carry a size-1 axis (tested).
-    """
-    lead = x.shape[:-1]
-    rows = math.prod(lead)
-    if not 2 <= rows <= 16:
-        return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
-    x2 = x.reshape(rows, x.shape[-1]).astype(jnp.float32)
-    return jnp.sum(x2[:, None, :] * w.astype(jnp.float32), -1).reshape(*lead, w.shape[0])
-
-
 def attention(q, k, v, mask) -> jax.Array:
-    """Grouped-query attention. q [B,T,H,D], k/v [B,K,S,D] (head-major), mask [B,T,S] bool -> [B,T,H,D].
+    """Grouped-query attention. q [B,T,H,D], k/v [B,S,K,D], mask [B,T,S] bool -> [B,T,H,D].
 
     Scores and softmax in float32 (as transformers does), probabilities cast back for the value
     product.
     """
     B, T, H, D = q.shape
-    K = k.shape[1]
+    K = k.shape[2]
     qg = q.reshape(B, T, K, H // K, D)
-    s = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32) * (D ** -0.5)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (D ** -0.5)
     s = jnp.where(mask[:, None, None], s, _NEG_INF)
     probs = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-    return jnp.einsum("bkgts,bksd->btkgd", probs, v).reshape(B, T, H, D)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(B, T, H, D)
 
 
 def rms_norm(x, weight, eps: float) -> jax.Array:

@@ -117,30 +117,6 @@ def test_kv_cache_prefill_decode_equals_full_forward(tiny):
         np.testing.assert_allclose(logits, full[np.arange(2), pos], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("batch, steps", [(1, (3, 1, 1)), (2, (20, 1))])
-def test_decode_layout_equals_stacked_weights(tiny, batch, steps):
-    """decode/unembed on `decode_weights()` (fused [out, in] projections) give the same hidden
-    states, logits and cache as the stacked parameters, for one and several rows and chunks."""
-    _, _, model, cfg = tiny
-    weights = model.decode_weights()
-    step = jax.jit(lambda t, n, c, w: (lambda h, c: (model.unembed(h, w), c))(*model.decode(t, n, c, w)))
-    caches = [models.KVCache.zeros(cfg, batch=batch, max_len=32) for _ in range(2)]
-    for T in steps:
-        tokens = jnp.asarray(RNG.randint(0, cfg.vocab_size, (batch, T)))
-        num_new = jnp.full((batch,), T, jnp.int32)
-        (ref, caches[0]), (got, caches[1]) = (step(tokens, num_new, c, w) for c, w in zip(caches, (None, weights)))
-        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-4, rtol=0)
-        np.testing.assert_allclose(np.asarray(caches[1].k), np.asarray(caches[0].k), atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize("shape", [(1, 16), (8,), (2, 1), (1, 1), (4, 4), (64,)])
-def test_dense_out_in_matches_numpy(shape):
-    w = RNG.randn(40, 24).astype(np.float32)
-    x = RNG.randn(*shape, 24).astype(np.float32)
-    got = jax.jit(qwen.dense_out_in)(jnp.asarray(x), jnp.asarray(w))
-    np.testing.assert_allclose(np.asarray(got), x @ w.T, atol=1e-5, rtol=0)
-
-
 def test_positions_from_segments():
     seg = np.array([[0, 0, 1, 1, 1, 2, 2, 0]])
     np.testing.assert_array_equal(np.asarray(qwen.positions_from_segments(seg)), [[0, 1, 0, 1, 2, 0, 1, 0]])

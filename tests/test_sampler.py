@@ -270,7 +270,7 @@ def test_sharded_scanned_greedy_equals_single_device_unrolled(setup):
     assert len(state.cache.k.sharding.device_set) == 8
     out = sharded.generate(state, max_new_tokens=16, greedy=True)
     # the cache stays on its sharding across donated calls: batch over data x fsdp, kv heads over tp
-    want = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, ("data", "fsdp"), "tp"))
+    want = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, ("data", "fsdp"), None, "tp"))
     assert state.cache.k.sharding.is_equivalent_to(want, 5)
     for i in range(B):
         np.testing.assert_array_equal(out.tokens[i], ref[i])
