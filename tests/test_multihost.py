@@ -24,7 +24,9 @@ def _config_flags(workdir):
     c.model.update(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)
     c.env.update(workers=1, max_rounds_train=3, max_rounds_eval=3)
     c.rollout.update(tasks_per_step=2, group_size=2, max_turn_tokens=6, max_len=512, sampler_rows=4)
-    c.train.update(steps=2, minibatch_tasks=2, row_len=512, rows_per_micro=2, learning_rate=1e-3)
+    # a random policy never succeeds: the entropy bonus is what makes the RL steps' loss nonzero
+    c.train.update(steps=2, minibatch_tasks=2, row_len=512, rows_per_micro=2, learning_rate=1e-3,
+                   entropy_coef=1e-3)
     c.warmstart.update(steps=2, tasks=8, batch_episodes=4)  # expert shares per host, a model dir from both
     c.eval.update(every=2, tasks=2, samples=1)
     c.checkpoint.update(every=2, keep=2)
