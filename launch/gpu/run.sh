@@ -12,27 +12,15 @@
 # on storage every host sees (Orbax writes each host's shards into the same step directory).
 # --dry-run prints the commands.
 set -euo pipefail
+# shellcheck source=launch/common.sh
+source "$(dirname "$0")/../common.sh"
 cd "$(dirname "$0")/../.."
-
-usage() {
-  sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//' >&2
-  exit 2
-}
 
 DRY_RUN=0
 if [[ "${1:-}" == "--dry-run" ]]; then
   DRY_RUN=1
   shift
 fi
-
-run() {
-  if (( DRY_RUN )); then
-    printf '%q ' "$@"
-    printf '\n'
-  else
-    "$@"
-  fi
-}
 
 (( $# >= 1 )) || usage
 op="$1"

@@ -18,25 +18,14 @@ set -euo pipefail
 REMOTE_DIR="cope_jax"  # the checkout's directory in each worker's home
 DEFAULT_RUNTIME="tpu-ubuntu2204-base"
 
-usage() {
-  sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//' >&2
-  exit 2
-}
+# shellcheck source=launch/common.sh
+source "$(dirname "$0")/../common.sh"
 
 DRY_RUN=0
 if [[ "${1:-}" == "--dry-run" ]]; then
   DRY_RUN=1
   shift
 fi
-
-run() {
-  if (( DRY_RUN )); then
-    printf '%q ' "$@"
-    printf '\n'
-  else
-    "$@"
-  fi
-}
 
 # on every worker of the slice, from the checkout's directory
 on_all() {
