@@ -156,10 +156,7 @@ def expert_actions(task: Task, max_steps: int = 4 * MAX_STEPS) -> list[str]:
     """The demonstrator's actions: acts on what it sees, explores by the right-hand rule."""
     room, items, door_open, heading = task.start, dict(task.items), False, "north"
     acts: list[str] = []
-
-    def act(a: str) -> None:
-        acts.append(a)
-
+    act = acts.append
     while len(acts) < max_steps:
         here = {o for o, r in items.items() if r == room}
         want = task.goal[0] if task.family != "unlock" else "key"

@@ -119,7 +119,7 @@ def run(argv: list[str]) -> None:
         # One warm start, shared: a zero-step run of the reference method writes it.
         warm = os.path.join(root, "warmstart_run")
         c = _config(reference, 0)
-        c.train.steps = 0
+        c.train.steps, c.eval.every = 0, 0  # every RL run evaluates its own step 0
         train_run(c, warm, progress=False)
         curves: dict[str, dict[int, dict[int, float]]] = {}
         for method in methods:
