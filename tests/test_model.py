@@ -96,16 +96,21 @@ def test_bf16_close_to_fp32(tiny):
     assert kl.max() > 0  # really computed in bf16
 
 
-def test_kv_cache_prefill_decode_equals_full_forward(tiny):
+@pytest.mark.parametrize("decode_layout", [False, True])
+def test_kv_cache_prefill_decode_equals_full_forward(tiny, decode_layout):
+    """Stored layout (scanned stacked weights) and the decode layout (per-layer fused [out, in]
+    matrices, the sampler's CPU path) both equal the full forward."""
     _, _, model, cfg = tiny
     T = 12
     tokens = RNG.randint(0, cfg.vocab_size, (2, T))
     full = _forward(model, tokens)
     prompt_len = np.array([5, 3])
     cache = models.KVCache.zeros(cfg, batch=2, max_len=16)
-    step = nnx.jit(lambda m, t, n, c: m.decode(t, n, c))
-    h, cache = step(model, jnp.asarray(tokens[:, :5]), jnp.asarray(prompt_len), cache)
-    logits = np.asarray(model.unembed(h))
+    weights = model.layer_weights() if decode_layout else None
+    step = nnx.jit(lambda m, t, n, c, w: m.decode(t, n, c, w))
+    unembed = jax.jit(lambda h: model.unembed(h, decode_layout=decode_layout))
+    h, cache = step(model, jnp.asarray(tokens[:, :5]), jnp.asarray(prompt_len), cache, weights)
+    logits = np.asarray(unembed(h))
     for b in range(2):
         np.testing.assert_allclose(logits[b, :prompt_len[b]], full[b, :prompt_len[b]], atol=1e-4, rtol=0)
     np.testing.assert_array_equal(np.asarray(cache.lengths), prompt_len)
@@ -113,8 +118,8 @@ def test_kv_cache_prefill_decode_equals_full_forward(tiny):
     for _ in range(4):
         pos = np.asarray(cache.lengths)
         nxt = tokens[np.arange(2), pos][:, None]
-        h, cache = step(model, jnp.asarray(nxt), jnp.ones(2, jnp.int32), cache)
-        logits = np.asarray(model.unembed(h))[:, 0]
+        h, cache = step(model, jnp.asarray(nxt), jnp.ones(2, jnp.int32), cache, weights)
+        logits = np.asarray(unembed(h))[:, 0]
         np.testing.assert_allclose(logits, full[np.arange(2), pos], atol=1e-4, rtol=0)
 
 
