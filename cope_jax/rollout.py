@@ -40,9 +40,9 @@ class RolloutConfig:
     poll_interval: float = 0.002  # seconds to wait for the environment when nothing can decode
     # asynchronous rounds: an episode ready to decode waits up to this fraction of a typical
     # generate call for environment results still in flight to join its batch; a sampler call
-    # costs nearly the same for 1 row as for many, so decoding every straggler alone would
-    # multiply the sampling time (a fast environment's results all join the first batch)
-    batch_wait: float = 0.5
+    # costs nearly the same for 1 row as for many, so a straggler decoded alone costs a whole
+    # call: waiting up to one call's time for it is the break-even point
+    batch_wait: float = 1.0
     # lockstep rounds: wait for every in-flight environment call and handle results in episode
     # order before decoding, so the schedule (hence sampler batches) does not depend on timing and
     # rollouts are bit-reproducible; gives up overlapping environment steps with decoding
