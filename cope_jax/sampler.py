@@ -145,7 +145,6 @@ def _decode_loop(graphdef, params, weights, cache, pending, rows, knobs, max_ste
     logprobs [R, steps], n [R], finish codes [R]).
     """
     model = nnx.merge(graphdef, params)
-    layer_weights = weights
     sub, sub_pending = _take(cache, pending, rows, window, compact)
     R = sub_pending.shape[0]
     done = max_steps <= 0
@@ -159,7 +158,7 @@ def _decode_loop(graphdef, params, weights, cache, pending, rows, knobs, max_ste
 
     def body(s):
         active = ~s["done"]
-        h, new_cache = model.decode(s["pending"][:, None], active.astype(jnp.int32), s["cache"], layer_weights)
+        h, new_cache = model.decode(s["pending"][:, None], active.astype(jnp.int32), s["cache"], weights)
         logits = model.unembed(h[:, 0], decode_layout=weights is not None)
         # a row's randomness depends only on (its key, step): not on which other rows run
         tok = sample_tokens(logits, lambda: jax.vmap(lambda k: jax.random.fold_in(k, s["step"]))(row_keys), **knobs)

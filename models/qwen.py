@@ -202,7 +202,7 @@ class Qwen(nnx.Module):
         `_FUSED` group as one 2-D [sum of outs, in] matrix keyed "q_proj+k_proj+v_proj", norms and
         biases as stored.
 
-        At a decode step's few rows XLA:CPU multiplies [out, in] @ [in, rows] 1.5-2x faster than
+        At a decode step's few rows XLA:CPU multiplies [out, in] @ [in, rows] 1.2-2x faster than
         [rows, in] @ [in, out] (it is kernel-bound there, not memory-bound), and one product per
         group saves per-op overhead; the sampler makes this copy once per parameter update.
         """
