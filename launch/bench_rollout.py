@@ -20,8 +20,9 @@ rollout (`sync=True`, no overlap by design) is reported as `sync_wall_s` for ref
 the best of `repeats`. The asynchronous schedule depends on timing, so it can reach sampler shapes
 the warm-up did not: warm-up passes repeat until one compiles nothing, and `compile_s` reports
 XLA compilation inside the measured runs; a run that compiled is not used for its measurement
-unless every run of it did (then the measurement is listed in `unclean`). The policy is a random Qwen3-shaped model (or `--rollout_model`), so actions
-are mostly invalid: the environment still parses and answers each one. One JSON object per line.
+unless every run of it did (then the measurement is listed in `unclean`). The policy is a random
+Qwen3-shaped model (or `--rollout_model`), so actions are mostly invalid: the environment still
+parses and answers each one. One JSON object per line.
 """
 from __future__ import annotations
 
@@ -183,8 +184,8 @@ def measure(family_name: str, model, tokenizer, style: str) -> dict:
             if _COMPILE["s"] == before:
                 break
         compile_before = _COMPILE["s"]
+        wall = lambda out: out[1].wall_s  # noqa: E731
         for _ in range(FLAGS.rollout_repeats):
-            wall = lambda out: out[1].wall_s
             trajs, stats = timed("wall_s", lambda: runner.run(plan, key), wall)
             replay = RolloutRunner(sampler, ReplayPool(trajs), family_name, family, chat, cfg)
             _, rstats = timed("sampling_s", lambda: replay.run(plan, key), wall)
@@ -192,15 +193,14 @@ def measure(family_name: str, model, tokenizer, style: str) -> dict:
                                  lambda out: out[0])
             timed("sync_wall_s", lambda: lockstep.run(plan, key), wall)
     family.close()
+    # a measurement whose every run compiled is reported from those runs and named in `unclean`
+    unclean = sorted(set(compiled) - set(best))
+    best.update({k: compiled[k] for k in unclean})
     out = {"suite": "rollout", "family": family_name, "workers": workers, "envs_per_worker": slots,
            "episodes": len(plan), "env_steps": stats.env_steps, "env_steps_replayed": env_steps,
            "gen_tokens": stats.generated_tokens, "gen_tokens_replayed": rstats.generated_tokens,
-           **{k: round(v, 3) for k, v in best.items()}, "compile_s": round(_COMPILE["s"] - compile_before, 3)}
-    # a measurement whose every run compiled is reported from those runs and named in `unclean`
-    out["unclean"] = sorted(set(compiled) - set(best))
-    for k in out["unclean"]:
-        out[k] = round(compiled[k], 3)
-        best[k] = compiled[k]
+           **{k: round(v, 3) for k, v in best.items()}, "compile_s": round(_COMPILE["s"] - compile_before, 3),
+           "unclean": unclean}
     out["sum_s"] = round(best["sampling_s"] + best["env_s"], 3)
     out["overlap"] = round(best["wall_s"] / max(best["sampling_s"], best["env_s"]), 3)
     out["wall_over_sum"] = round(best["wall_s"] / out["sum_s"], 3)
