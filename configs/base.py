@@ -52,8 +52,10 @@ def base_config(method: str = "cope") -> ml_collections.ConfigDict:
         echo_coef=0.01, rft_coef=1.0, skip_invalid=False, skip_no_call=False,
         progpo_scale=0.3, logprob_chunk=2048,
     ))
-    # optional supervised warm start on expert demonstrations (the demo uses it)
-    c.warmstart = ml_collections.ConfigDict(dict(steps=0, learning_rate=1e-4, batch_episodes=16, tasks=0))
+    # optional supervised warm start on expert demonstrations (the demo uses it); af_examples:
+    # forecasting examples (SPEC 3 format, from the demonstrations) joining each step, 0 = off
+    c.warmstart = ml_collections.ConfigDict(dict(steps=0, learning_rate=1e-4, batch_episodes=16, tasks=0,
+                                                 af_examples=0))
     c.eval = ml_collections.ConfigDict(dict(every=10, tasks=0, samples=1, temperature=1.0, greedy=False))
     c.checkpoint = ml_collections.ConfigDict(dict(every=10, keep=3))
     c.log_every = 1

@@ -84,11 +84,15 @@ class Trainer:
         self.log = metrics_lib.MetricsLog(self.workdir, enabled=self.is_main)
         self.forecast_cfg = None
         if self.spec.forecast is not None:
-            self.forecast_cfg = ForecastConfig(
-                kind=self.spec.forecast, horizon=self.spec.horizon,
-                layout="tau2" if getattr(self.family, "chat_layout", "react") == "tool_calling" else "react",
-                skip_invalid=c.train.skip_invalid, skip_no_call=c.train.skip_no_call,
-                invalid_message=self.family.invalid_action_message)
+            self.forecast_cfg = self._forecast_config(self.spec.forecast, self.spec.horizon)
+
+    def _forecast_config(self, kind: str, horizon: int) -> ForecastConfig:
+        c = self.config
+        return ForecastConfig(
+            kind=kind, horizon=horizon,
+            layout="tau2" if getattr(self.family, "chat_layout", "react") == "tool_calling" else "react",
+            skip_invalid=c.train.skip_invalid, skip_no_call=c.train.skip_no_call,
+            invalid_message=self.family.invalid_action_message)
 
     # -- setup ------------------------------------------------------------------------------------
     def _check_config_file(self) -> None:
@@ -186,21 +190,35 @@ class Trainer:
                                                               max_rounds=self.config.env.max_rounds_train))
         if not demos:
             raise RuntimeError("the expert solved no warm-start task")
-        learner = Learner(self.model, dataclasses.replace(self.loss_cfg, rft_coef=1.0),
+        # optional: forecasting examples (SPEC 3's planning format, from the demonstrations, which
+        # all succeed) teach the format before RL; without them a small policy's first CoPE steps
+        # learn it from scratch (CE ~75), and that fights its acting format until it collapses
+        n_af = ws.af_examples
+        cope = METHODS["cope"]
+        forecast = self._forecast_config(cope.forecast, self.spec.horizon or cope.horizon) if n_af else None
+        spec = (METHODS["rft"] if not n_af else
+                dataclasses.replace(METHODS["rft"], name="warmstart", terms=("rft", "af"),
+                                    forecast=forecast.kind, horizon=forecast.horizon))
+        # the rft and af terms read the same target weights, so the rft term alone covers the actions
+        # and the forecasting targets (each segment weighted by its own rule); af only admits examples
+        learner = Learner(self.model, dataclasses.replace(self.loss_cfg, rft_coef=1.0, af_coef=0.0, af_mode="joint"),
                           dataclasses.replace(self.opt_cfg, learning_rate=ws.learning_rate), mesh=self.mesh)
         rng = np.random.RandomState(self.config.seed)
-        spec = METHODS["rft"]
         t0 = time.time()
         for step in range(ws.steps):
             pick = rng.choice(len(demos), min(ws.batch_episodes, len(demos)), replace=False)
             batch = [dataclasses.replace(demos[i], group_id=j) for j, i in enumerate(pick)]
-            mbs, _ = build_minibatches(batch, [], spec, learner.cfg, groups_per_minibatch=len(batch),
+            examples = build_examples(batch, self.chat, forecast) if n_af else []
+            if len(examples) > n_af:
+                examples = [examples[i] for i in np.sort(rng.choice(len(examples), n_af, replace=False))]
+            mbs, _ = build_minibatches(batch, examples, spec, learner.cfg, groups_per_minibatch=len(batch),
                                        row_len=self.config.train.row_len,
                                        rows_per_micro=self.config.train.rows_per_micro)
             out = learner.train(_bucketed(mbs))
             if (step + 1) % max(1, ws.steps // 20) == 0 or step + 1 == ws.steps:
                 self.log.write("warmstart", step + 1, {"rft_loss": float(np.mean([m["loss"] for m in out])),
-                                                        "demos": len(demos), "seconds": time.time() - t0})
+                                                        "demos": len(demos), "af_examples": len(examples),
+                                                        "seconds": time.time() - t0})
         orbax_io.save_orbax(self.model, directory)  # every process writes its shards
         return {"demos": len(demos), "seconds": time.time() - t0}
 

@@ -34,8 +34,8 @@ def tiny_config(method: str, steps: int = 2):
 @pytest.mark.parametrize("method", base.METHODS)
 def test_every_method_trains_two_steps(method, tmp_path):
     c = tiny_config(method)
-    if method == "cope":  # one method also runs the warm start stage
-        c.warmstart.update(steps=2, tasks=8, batch_episodes=4)
+    if method == "cope":  # one method also runs the warm start stage, with forecasting examples
+        c.warmstart.update(steps=2, tasks=8, batch_episodes=4, af_examples=3)
     workdir = str(tmp_path / method.replace("+", "_"))
     train_run(c, workdir, progress=False)
     records = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
@@ -47,7 +47,8 @@ def test_every_method_trains_two_steps(method, tmp_path):
     assert glob.glob(os.path.join(workdir, "tensorboard", "events.out.tfevents.*"))
     if method == "cope":
         assert os.path.isdir(os.path.join(workdir, "warmstart", "params"))
-        assert any(r["kind"] == "warmstart" for r in records)
+        warm = [r for r in records if r["kind"] == "warmstart"]
+        assert warm and all(r["af_examples"] == 3 for r in warm)
     out = eval_run(c, workdir)
     report = json.load(open(out["json"]))
     assert report["checkpoint"] == 2 and report["results"]["checkpoint_2"]["episodes"] == 2
