@@ -33,6 +33,9 @@ def base_config(method: str = "cope") -> ml_collections.ConfigDict:
 
     c.env = ml_collections.ConfigDict(dict(
         family="", workers=8, train_split="train", eval_split="test",  # workers: per host
+        # environment instances per worker process; 0 = enough for every sampler row to hold a live
+        # episode (ceil(sampler_rows / workers)). Each ScienceWorld instance is its own JVM (~0.3 GB)
+        envs_per_worker=0,
         max_rounds_train=20, max_rounds_eval=30, call_timeout=0.0,  # 0: the family's default
     ))
     c.rollout = ml_collections.ConfigDict(dict(
@@ -53,9 +56,10 @@ def base_config(method: str = "cope") -> ml_collections.ConfigDict:
         progpo_scale=0.3, logprob_chunk=2048,
     ))
     # optional supervised warm start on expert demonstrations (the demo uses it); af_examples:
-    # forecasting examples (SPEC 3 format, from the demonstrations) joining each step, 0 = off
+    # forecasting examples (SPEC 3 format, from the demonstrations) joining each step, 0 = off;
+    # lr_schedule: 'constant' or 'cosine' (short warm-up, then decay to 5% over the steps)
     c.warmstart = ml_collections.ConfigDict(dict(steps=0, learning_rate=1e-4, batch_episodes=16, tasks=0,
-                                                 af_examples=0))
+                                                 af_examples=0, lr_schedule="constant"))
     c.eval = ml_collections.ConfigDict(dict(every=10, tasks=0, samples=1, temperature=1.0, greedy=False))
     c.checkpoint = ml_collections.ConfigDict(dict(every=10, keep=3))
     c.log_every = 1

@@ -25,7 +25,7 @@ def get_config(method: str = "cope"):
                      sync=True)
     c.train.update(steps=20, learning_rate=1e-4, minibatch_tasks=3, row_len=768, rows_per_micro=4,
                    af_coef=0.01, entropy_coef=0.0, logprob_chunk=1024)
-    c.warmstart.update(steps=250, learning_rate=2e-3, batch_episodes=16, tasks=0)
+    c.warmstart.update(steps=250, learning_rate=2e-3, lr_schedule="cosine", batch_episodes=16, tasks=0)
     c.eval.update(every=10, tasks=0, samples=1, temperature=1.0)
     c.checkpoint.update(every=5, keep=2)
     return c

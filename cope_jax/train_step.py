@@ -44,7 +44,9 @@ from models import sharding as shd
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW with global-norm clipping; SPEC 2 defaults (constant lr)."""
+    """AdamW with global-norm clipping; SPEC 2 defaults (constant lr). `decay_steps` > 0: a short
+    linear warm-up, then cosine decay to `learning_rate * final_lr_fraction` at that step (the
+    supervised warm start uses it; RL keeps the paper's constant rate)."""
 
     learning_rate: float = 1e-6
     b1: float = 0.9
@@ -52,6 +54,15 @@ class OptimizerConfig:
     eps: float = 1e-8
     weight_decay: float = 0.01
     clip_norm: float = 1.0
+    decay_steps: int = 0
+    final_lr_fraction: float = 0.05
+
+    def schedule(self) -> optax.Schedule | float:
+        if self.decay_steps <= 0:
+            return self.learning_rate
+        return optax.warmup_cosine_decay_schedule(
+            0.0, self.learning_rate, warmup_steps=max(1, self.decay_steps // 20),
+            decay_steps=self.decay_steps, end_value=self.learning_rate * self.final_lr_fraction)
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,7 +70,7 @@ def make_optimizer(cfg: OptimizerConfig = OptimizerConfig()) -> optax.GradientTr
     """clip_by_global_norm then AdamW. Cached per config: optax transforms are stateless, and one
     object per config keeps equal Learners' graphdefs equal, so they share compiled steps."""
     return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
-                       optax.adamw(cfg.learning_rate, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                       optax.adamw(cfg.schedule(), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                                    weight_decay=cfg.weight_decay))
 
 

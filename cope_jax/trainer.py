@@ -49,12 +49,17 @@ from envs.registry import make_family
 WARMSTART_DIR = "warmstart"
 CHECKPOINT_DIR = "checkpoints"
 TOKENIZER_FILE = "tokenizer.model"
+# warmstart.lr_schedule -> decay steps of the optimizer's schedule, given the warm start's steps
+_WARMSTART_DECAY = {"constant": lambda steps: 0, "cosine": lambda steps: steps}
 
 
 class Trainer:
     """Owns the policy, sampler, environment pool, learner and logs of one run in `workdir`."""
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+        if config.warmstart.lr_schedule not in _WARMSTART_DECAY:
+            raise ValueError(f"warmstart.lr_schedule={config.warmstart.lr_schedule!r}: expected one of "
+                             f"{sorted(_WARMSTART_DECAY)}")
         self.config, self.workdir = config, os.path.abspath(workdir)
         os.makedirs(self.workdir, exist_ok=True)
         self.is_main = jax.process_index() == 0
@@ -80,7 +85,9 @@ class Trainer:
         self.sampler = Sampler(self.replica.model, batch_size=c.rollout.sampler_rows, max_len=c.rollout.max_len,
                                eos_ids=self.tokenizer.eos_ids)
         timeout = c.env.call_timeout or None
-        self.pool = EnvPool({c.env.family: c.env.workers}, call_timeout=timeout)
+        # fewer environment slots than sampler rows would leave rows idle: only that many live episodes
+        envs = c.env.envs_per_worker or -(-c.rollout.sampler_rows // c.env.workers)
+        self.pool = EnvPool({c.env.family: c.env.workers}, envs_per_worker=envs, call_timeout=timeout)
         self.log = metrics_lib.MetricsLog(self.workdir, enabled=self.is_main)
         self.forecast_cfg = None
         if self.spec.forecast is not None:
@@ -202,7 +209,9 @@ class Trainer:
         # the rft and af terms read the same target weights, so the rft term alone covers the actions
         # and the forecasting targets (each segment weighted by its own rule); af only admits examples
         learner = Learner(self.model, dataclasses.replace(self.loss_cfg, rft_coef=1.0, af_coef=0.0, af_mode="joint"),
-                          dataclasses.replace(self.opt_cfg, learning_rate=ws.learning_rate), mesh=self.mesh)
+                          dataclasses.replace(self.opt_cfg, learning_rate=ws.learning_rate,
+                                              decay_steps=_WARMSTART_DECAY[ws.lr_schedule](ws.steps)),
+                          mesh=self.mesh)
         rng = np.random.RandomState(self.config.seed)
         t0 = time.time()
         for step in range(ws.steps):

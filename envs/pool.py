@@ -150,6 +150,8 @@ class EnvPool:
                  python: Mapping[str, str] | None = None,
                  family_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
                  specs: Mapping[str, FamilySpec] | None = None) -> None:
+        if envs_per_worker < 1:
+            raise ValueError(f"envs_per_worker={envs_per_worker}: need at least one environment per worker")
         self._specs = {name: (specs or {}).get(name) or get_spec(name) for name in workers}
         self._timeouts = {
             name: (call_timeout.get(name, spec.call_timeout) if isinstance(call_timeout, Mapping)
@@ -272,6 +274,10 @@ class EnvPool:
     def _can_progress(self) -> bool:
         """Whether a result can still arrive without the caller doing anything."""
         return any(w.inflight is not None or w.queue for w in self._workers)
+
+    def capacity(self, family: str) -> int:
+        """Environment slots of a family: how many of its episodes can be live at once."""
+        return sum(len(w.slots) for w in self._workers if w.family == family)
 
     def worker_pids(self, family: str | None = None) -> list[int]:
         """Pids of live worker processes (for tests and monitoring)."""

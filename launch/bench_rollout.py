@@ -37,6 +37,7 @@ from absl import flags
 flags.DEFINE_list("rollout_families", ["builtin", "sciworld"], "Environment families to measure.")
 flags.DEFINE_integer("rollout_workers", 4, "Environment worker processes.")
 flags.DEFINE_integer("rollout_envs_per_worker", 2, "Environment instances (live episodes) per worker.")
+flags.DEFINE_integer("rollout_rows", 0, "Sampler rows (0: one per environment slot).")
 flags.DEFINE_integer("rollout_episodes", 16, "Episodes per rollout batch.")
 flags.DEFINE_integer("rollout_rounds", 8, "Environment steps per episode (max rounds).")
 flags.DEFINE_integer("rollout_turn_tokens", 24, "Generation cap per assistant turn.")
@@ -157,7 +158,8 @@ def measure(family_name: str, model, tokenizer, style: str) -> dict:
     family = make_family(family_name)
     chat = ChatFormat(tokenizer, style)
     plan = _tasks(family, FLAGS.rollout_episodes)
-    sampler = Sampler(model, batch_size=workers * slots, max_len=MAX_LEN, eos_ids=tokenizer.eos_ids)
+    rows = FLAGS.rollout_rows or workers * slots
+    sampler = Sampler(model, batch_size=rows, max_len=MAX_LEN, eos_ids=tokenizer.eos_ids)
     cfg = RolloutConfig(max_rounds=FLAGS.rollout_rounds, max_turn_tokens=FLAGS.rollout_turn_tokens,
                         temperature=1.0)
     key = jax.random.key(0)
@@ -197,6 +199,7 @@ def measure(family_name: str, model, tokenizer, style: str) -> dict:
     unclean = sorted(set(compiled) - set(best))
     best.update({k: compiled[k] for k in unclean})
     out = {"suite": "rollout", "family": family_name, "workers": workers, "envs_per_worker": slots,
+           "rows": rows,
            "episodes": len(plan), "env_steps": stats.env_steps, "env_steps_replayed": env_steps,
            "gen_tokens": stats.generated_tokens, "gen_tokens_replayed": rstats.generated_tokens,
            **{k: round(v, 3) for k, v in best.items()}, "compile_s": round(_COMPILE["s"] - compile_before, 3),

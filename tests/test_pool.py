@@ -76,7 +76,10 @@ def test_release_frees_the_slot_for_a_waiting_reset():
 
 def test_caller_mistakes_raise():
     tid = FAM.task_ids("test")[0]
+    with pytest.raises(ValueError, match="envs_per_worker"):
+        EnvPool({"builtin": 1}, envs_per_worker=0)
     pool = EnvPool({"builtin": 1})
+    assert pool.capacity("builtin") == 1 and pool.capacity("sciworld") == 0
     with pytest.raises(KeyError):
         pool.submit_step("nobody", "look")
     with pytest.raises(ValueError):

@@ -296,6 +296,21 @@ def test_packing_and_micro_batching_invariance(setup):
 OPT = train_step.OptimizerConfig(learning_rate=0.5, eps=1.0)
 
 
+def test_optimizer_schedule_warms_up_then_decays():
+    cfg = train_step.OptimizerConfig(learning_rate=2.0, decay_steps=100, final_lr_fraction=0.05)
+    lr = cfg.schedule()
+    values = [float(lr(i)) for i in range(101)]
+    assert values[0] == 0.0 and values[5] == pytest.approx(2.0)  # warm-up: 5% of the steps
+    assert all(a >= b for a, b in zip(values[5:], values[6:]))  # then only down
+    assert values[100] == pytest.approx(0.1)
+    assert train_step.OptimizerConfig(learning_rate=2.0).schedule() == 2.0  # default: constant
+    # the optimizer follows it: the first step (lr 0) leaves the parameters where they are
+    tx = train_step.make_optimizer(cfg)
+    params = {"w": jnp.ones(3)}
+    updates, _ = tx.update({"w": jnp.ones(3)}, tx.init(params), params)
+    np.testing.assert_array_equal(np.asarray(updates["w"]), 0.0)
+
+
 def _padded_minibatches(spec, cfg):
     """Mini-batches of two groups, padded to MICRO micro-batches (one shape: shared executables)."""
     mbs, _ = batching.build_minibatches(TRAJS, EXAMPLES, spec, cfg, groups_per_minibatch=2,
