@@ -41,7 +41,8 @@ class RolloutConfig:
     # asynchronous rounds: an episode ready to decode waits up to this fraction of a typical
     # generate call for environment results still in flight to join its batch; a sampler call
     # costs nearly the same for 1 row as for many, so a straggler decoded alone costs a whole
-    # call: waiting up to one call's time for it is the break-even point
+    # call: waiting up to one call's time for it is the break-even point. Before the runner's
+    # first call (cost unknown) it waits for every result that can join.
     batch_wait: float = 1.0
     # lockstep rounds: wait for every in-flight environment call and handle results in episode
     # order before decoding, so the schedule (hence sampler batches) does not depend on timing and
@@ -97,6 +98,7 @@ class _Episode:
     env_info: dict = dataclasses.field(default_factory=dict)
     done: bool = False
     env_key: object = None  # the pool's episode key
+    in_env: bool = False  # a reset or step of this episode is at the pool
 
     def add(self, ids: Sequence[int], *, action=False, obs=False, logp=None) -> tuple[int, int]:
         start = len(self.tokens)
@@ -125,6 +127,7 @@ class RolloutRunner:
         self.im_end = chat.im_end_id
         self._gen_prompt = chat.generation_prompt()
         self._preambles: dict[int, list[Turn]] = {}
+        self._generate_s = 0.0  # running mean of a generate call's time (0: none yet)
 
     def preamble(self, task_id: int) -> list[Turn]:
         """Turns before o_0: instruction + acknowledgement (ReAct), or the system message with the
@@ -170,13 +173,13 @@ class RolloutRunner:
         for ep in episodes:
             ep_key = (id(self), ep.index, time.perf_counter_ns())
             ids[ep_key] = ep
-            ep.env_key = ep_key
+            ep.env_key, ep.in_env = ep_key, True
             self.pool.submit_reset(ep_key, self.family_name, ep.task_id, max_steps=cfg.max_rounds)
         need_row: list[_Episode] = []  # got o_0, waiting for a sampler row
         ready: list[_Episode] = []  # row holds everything up to a generation prompt
         live = len(episodes)
         hold = 0.0  # seconds the ready episodes still wait for results to join their batch
-        ready_since, generate_s = None, 0.0  # generate_s: running mean of a generate call's time
+        ready_since = None
         try:
             while live:
                 t0 = time.perf_counter()
@@ -185,18 +188,20 @@ class RolloutRunner:
                 else:
                     results = self.pool.poll(0.0)
                     if not results and self.pool.pending() and (hold > 0 or not (ready or need_row)):
-                        results = self.pool.poll(hold if hold > 0 else cfg.poll_interval)
+                        results = self.pool.poll(min(hold, 1.0) if hold > 0 else cfg.poll_interval)
                 stats.env_wait_s += time.perf_counter() - t0
                 for r in results:
                     ep = ids[r.episode]
+                    ep.in_env = False
                     stats.env_busy_s += r.elapsed
                     stats.env_steps += r.kind == "step"
                     live -= self._on_env_result(ep, r, state, need_row, ready)
                 if not cfg.sync and (ready or need_row):
                     # hold the sampler calls (prefills included) while results can still join
                     ready_since = ready_since or time.perf_counter()
-                    hold = ready_since + cfg.batch_wait * generate_s - time.perf_counter()
-                    if hold > 0 and self.pool.in_flight():
+                    wait = cfg.batch_wait * self._generate_s if self._generate_s else float("inf")
+                    hold = ready_since + wait - time.perf_counter()
+                    if hold > 0 and self._can_join(episodes, len(state.free_rows()) - len(need_row)):
                         continue
                 hold, ready_since = 0.0, None
                 self._assign_rows(state, need_row, ready, stats)
@@ -210,7 +215,7 @@ class RolloutRunner:
                     t_gen = time.perf_counter()
                     live -= self._generate(state, ready, key, stats)
                     took = time.perf_counter() - t_gen
-                    generate_s = took if not generate_s else 0.8 * generate_s + 0.2 * took
+                    self._generate_s = took if not self._generate_s else 0.8 * self._generate_s + 0.2 * took
                     ready.clear()
         finally:
             for ep in episodes:
@@ -307,8 +312,16 @@ class RolloutRunner:
             ep.add(self.chat.end_of_turn())
             action = self.family.parse_action(reply)
             ep.actions.append(action)
+            ep.in_env = True
             self.pool.submit_step(ep.env_key, action)
         return ended
+
+    def _can_join(self, episodes: Sequence[_Episode], spare_rows: int) -> bool:
+        """Whether a result still at the pool could join the next sampler call: a step of an
+        episode that holds a row, or a reset at a worker while a row is free for it (a reset queued
+        for an environment slot waits for an episode to end, which needs this call)."""
+        return any(ep.in_env and (ep.row is not None or (spare_rows > 0 and self.pool.has_slot(ep.env_key)))
+                   for ep in episodes)
 
     # -- endings -----------------------------------------------------------------------------------
     def _end(self, ep: _Episode, state: SamplerState) -> int:

@@ -275,6 +275,11 @@ class EnvPool:
         """Whether a result can still arrive without the caller doing anything."""
         return any(w.inflight is not None or w.queue for w in self._workers)
 
+    def has_slot(self, episode: Hashable) -> bool:
+        """Whether a live episode holds an environment slot (its reset is not queued for one)."""
+        ep = self._episodes.get(episode)
+        return ep is not None and ep.worker is not None
+
     def capacity(self, family: str) -> int:
         """Environment slots of a family: how many of its episodes can be live at once."""
         return sum(len(w.slots) for w in self._workers if w.family == family)

@@ -97,6 +97,9 @@ class ReplayPool:
 
     in_flight = pending
 
+    def has_slot(self, episode) -> bool:
+        return episode in self._where
+
     def release(self, episode) -> None:
         pass
 

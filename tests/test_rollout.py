@@ -100,3 +100,31 @@ def test_an_episode_samples_the_same_wherever_it_runs(setup):
         np.testing.assert_allclose(x.sampler_logp, y.sampler_logp, atol=1e-5)
     with pytest.raises(ValueError, match="episode_ids"):
         runner.run(tasks, jax.random.key(5), episode_ids=range(3))
+
+
+class OneResultPerPoll:
+    """The pool, handing out its results one per poll: environment results trickling in."""
+
+    def __init__(self, pool):
+        self.pool, self.buffer = pool, []
+
+    def __getattr__(self, name):
+        return getattr(self.pool, name)
+
+    def poll(self, timeout=0.0):
+        self.buffer = self.buffer or self.pool.poll(timeout)
+        return [self.buffer.pop(0)] if self.buffer else []
+
+    def pending(self):
+        return self.pool.pending() + len(self.buffer)
+
+
+def test_first_sampler_call_waits_for_the_results_that_can_join(setup):
+    """Before its first generate call the runner cannot know a call's cost, so it waits for every
+    reset that can still join the batch instead of decoding the first arrival alone."""
+    tok, chat, sampler, pool = setup
+    recorder = Recorder(sampler)
+    runner = RolloutRunner(recorder, OneResultPerPoll(pool), "builtin", FAMILY, chat,
+                           RolloutConfig(max_rounds=2, max_turn_tokens=4))
+    trajs, _ = runner.run([(t, 0) for t in FAMILY.task_ids("train")[:2]], jax.random.key(0))
+    assert len(recorder.calls[0].tokens) == 2 and len(trajs) == 2
