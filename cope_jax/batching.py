@@ -27,7 +27,7 @@ import numpy as np
 from cope_jax import advantages as adv_lib
 from cope_jax import losses
 from cope_jax.methods import POLICY_TERMS, LossConfig, MethodSpec
-from cope_jax.packing import PackedBatch, PackStats, Segment, pack, split_micro, truncate_left
+from cope_jax.packing import PackedBatch, PackStats, Segment, concat_rows, pack, split_micro, truncate_left
 from cope_jax.trajectory import ForecastExample, Trajectory
 
 
@@ -136,7 +136,10 @@ def _af_groups(trajectories: Sequence[Trajectory], cfg: LossConfig) -> int:
 
 
 def _pack(segments, terms, groups, n_traj, n_ex, row_len, rows_per_micro) -> MiniBatch:
-    packed, stats = pack(segments, row_len, rows_multiple=rows_per_micro)
+    # trajectories and forecasting examples in separate micro-batches, trajectories first: only
+    # theirs need the old / reference log-probs (Learner.fill_logprobs skips the rest)
+    kinds = [[s for s in segments if s.index < n_traj], [s for s in segments if s.index >= n_traj]]
+    packed, stats = concat_rows([pack(k, row_len, rows_multiple=rows_per_micro) for k in kinds if k])
     return MiniBatch(batch=split_micro(packed, rows_per_micro), terms=tuple(terms), stats=stats,
                      groups=tuple(groups), num_trajectories=n_traj, num_examples=n_ex)
 

@@ -197,6 +197,18 @@ def pack(segments: list[Segment], row_len: int, *, rows_multiple: int = 1,
     return PackedBatch(**out), stats
 
 
+def concat_rows(parts: list[tuple[PackedBatch, PackStats]]) -> tuple[PackedBatch, PackStats]:
+    """Packed [rows, L] batches (and their stats) stacked row-wise, in order."""
+    if len(parts) == 1:
+        return parts[0]
+    batch = jax.tree.map(lambda *a: np.concatenate(a), *[b for b, _ in parts])
+    stats = [st for _, st in parts]
+    total = PackStats(rows=sum(st.rows for st in stats), row_len=stats[0].row_len,
+                      **{f: sum(getattr(st, f) for st in stats)
+                         for f in ("sequences", "tokens", "truncated_sequences", "truncated_tokens")})
+    return batch, total
+
+
 def split_micro(batch: PackedBatch, rows_per_micro: int) -> PackedBatch:
     """[rows, L] -> [rows // rows_per_micro, rows_per_micro, L] (rows must divide evenly)."""
     rows = batch.tokens.shape[0]

@@ -163,6 +163,18 @@ def place_batch(batch: PackedBatch, mesh=None) -> PackedBatch:
     return jax.tree.map(put, batch)
 
 
+def _micro_with_policy_tokens(batch: PackedBatch) -> int:
+    """Leading micro-batches of a host batch [micro, rows, L] that hold every policy-loss token,
+    rounded up to a power of two (at most all of them). Placed or 2-D batches: all."""
+    weight = batch.pg_weight
+    if isinstance(weight, jax.Array) or np.ndim(weight) != 3:
+        return batch.num_micro
+    used = np.flatnonzero(np.asarray(weight).reshape(weight.shape[0], -1).any(axis=1))
+    if not len(used):
+        return 1  # nothing reads them
+    return min(batch.num_micro, 1 << int(used[-1]).bit_length())
+
+
 def _train_step(graphdef, state, batch, coefs, *, cfg, with_entropy, mesh):
     model, optimizer = nnx.merge(graphdef, state)
     _, grads, sums = loss_and_grads(model, batch, coefs, cfg, with_entropy=with_entropy, mesh=mesh)
@@ -273,15 +285,26 @@ class Learner:
         all of them); the rest of the batch is placed too.
         """
         metrics = {}
+        # only micro-batches with policy tokens read old/ref logp (forecasting-example rows are
+        # packed after the trajectories'): the forward passes run on those, rounded up to a power
+        # of two micro-batches (few compiled shapes); the rest stays 0
+        head = _micro_with_policy_tokens(batch)
+        policy_part = place_batch(jax.tree.map(lambda a: a[:head], batch) if head < batch.num_micro else batch,
+                                  self.mesh)
         batch = place_batch(batch, self.mesh)
+
+        def logprobs(model=None):
+            logp = self.logprobs(policy_part, model)
+            return jnp.pad(logp, ((0, batch.num_micro - head), (0, 0), (0, 0))) if head < batch.num_micro else logp
+
         if set(terms) & set(POLICY_TERMS):
-            batch = batch.replace(old_logp=self.logprobs(batch))
+            batch = batch.replace(old_logp=logprobs())
             drift_max, drift_mean = _drift(batch.sampler_logp, batch.old_logp, batch.pg_weight)
             metrics["sampler_drift_max"], metrics["sampler_drift_mean"] = float(drift_max), float(drift_mean)
         if "kl" in terms and self.cfg.kl_coef != 0:
             if ref_model is None:
                 raise ValueError("the 'kl' term needs a reference model")
-            batch = batch.replace(ref_logp=self.logprobs(batch, ref_model))
+            batch = batch.replace(ref_logp=logprobs(ref_model))
         return batch, metrics
 
     def train(self, minibatches, ref_model=None) -> list[dict]:

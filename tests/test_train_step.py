@@ -380,6 +380,33 @@ def test_af_modes_joint_and_sequential(setup):
     assert moved > 1e-3
 
 
+def test_old_and_ref_logprobs_only_on_policy_micro_batches():
+    """Trajectories are packed first, forecasting examples after them in their own micro-batches;
+    the forward-only passes cover the micro-batches with policy tokens (rounded up to a power of
+    two) and leave 0 in the rest, which no loss term reads."""
+    spec = methods.get_method("cope")
+    mbs, _ = batching.build_minibatches(TRAJS, EXAMPLES, spec, LOSS, groups_per_minibatch=len(SUCCESS),
+                                        row_len=ROW_LEN, rows_per_micro=1)
+    batch, n_traj = mbs[0].batch, mbs[0].num_trajectories
+    idx = np.asarray(batch.traj_index)
+    kinds = [set((idx[m][idx[m] >= 0] >= n_traj).tolist()) for m in range(batch.num_micro)]
+    assert kinds == sorted(kinds, key=lambda k: True in k) and all(len(k) == 1 for k in kinds)
+    with_policy = [m for m, k in enumerate(kinds) if k == {False}]
+    assert len(with_policy) == 6 and batch.num_micro == 9  # so the passes run on 8, skip 1
+    learner = train_step.Learner(fresh_model(), LOSS, OPT)
+    filled, _ = learner.fill_logprobs(batch, mbs[0].terms, fresh_model())
+    full = np.asarray(learner.logprobs(batch))
+    for name in ("old_logp", "ref_logp"):
+        got = np.asarray(getattr(filled, name))
+        np.testing.assert_allclose(got[:8], full[:8], atol=1e-6)
+        assert not got[8:].any() and full[8:].any()
+    # and the step reads them only where policy tokens are: same loss as with every pass run
+    complete = filled.replace(old_logp=full, ref_logp=full)
+    a, _, _ = packed_loss_and_grads(_params(fresh_model()), filled, mbs[0].terms)
+    b, _, _ = packed_loss_and_grads(_params(fresh_model()), complete, mbs[0].terms)
+    np.testing.assert_allclose(float(a), float(b), rtol=1e-6)
+
+
 def test_sharded_step_equals_single_device(setup):
     _, _, old, ref = setup
     spec = methods.get_method("cope")
