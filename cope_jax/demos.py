@@ -3,7 +3,7 @@
 A family that can solve its own tasks exposes `expert_actions(task_id) -> list[str]` on its static
 side (the built-in environment does). The expert's actions are played through the environment pool,
 so observations are the real ones, and each episode is laid out by the same code as a sampled
-rollout (`scripted_trajectory`); the replies are written in the family's action format.
+rollout (`scripted_trajectory`); the replies are written in the family's `reply_format`.
 """
 from __future__ import annotations
 
@@ -12,13 +12,12 @@ from typing import Sequence
 from cope_jax.rollout import RolloutRunner, scripted_trajectory
 from cope_jax.trajectory import Trajectory
 
-REPLY_FORMAT = "Action: {action}"
-
-
 def expert_trajectories(runner: RolloutRunner, task_ids: Sequence[int], *, max_rounds: int,
-                        reply_format: str = REPLY_FORMAT, timeout: float = 120.0) -> list[Trajectory]:
-    """Plays the expert on each task (all episodes in flight at once); keeps the successful ones."""
+                        reply_format: str | None = None, timeout: float = 120.0) -> list[Trajectory]:
+    """Plays the expert on each task (all episodes in flight at once); keeps the successful ones.
+    Replies follow `reply_format` (default: the family's)."""
     family, pool = runner.family, runner.pool
+    reply_format = reply_format or family.reply_format
     if not hasattr(family, "expert_actions"):
         raise ValueError(f"environment family {runner.family_name!r} has no expert_actions(); "
                          "the warm start needs demonstrations")

@@ -34,6 +34,8 @@ class EnvFamily(abc.ABC):
     invalid_action_message: str = "Nothing happens."
     # Action parsing options (see envs.parsing.parse_action).
     multiline_actions: bool = False
+    # How a reply states an action, for written demonstrations (cope_jax.demos): ReAct's line.
+    reply_format: str = "Action: {action}"
     # How the rollout lays out the chat (optional protocol, defaults fit every ReAct family):
     # 'react': user instruction + fixed acknowledgement, then observations as user turns;
     # 'tool_calling': a system message (`system_prompt(task_id)`) rendered with the native tools

@@ -15,6 +15,8 @@ Every observation after a move, take, open or put restates the task and describe
 including the side the agent came in by ("You came in from the south."); exits are listed in right-hand-rule order relative to
 the agent's heading (right, straight, left, back; heading north at the start).
 Anything the house cannot do answers the fixed invalid-action message "Nothing happens.".
+A reply is the bare action line (`reply_format`, how demonstrations are written); a ReAct
+`Action:` line parses too.
 Score = fraction of the family's milestones reached (e.g. deliver: holding the object 0.5, object in
 the container 1.0); Y = 1 iff the episode ended with all milestones reached.
 
@@ -58,8 +60,7 @@ _TEST_EVERY = 8  # one task in 8 (by content hash) belongs to the test split
 INSTRUCTION = (
     "You are an agent in a small house. Every round I will give you an observation, you have to "
     "respond an action to finish the given task. Actions: go DIR (north, south, east, west), "
-    "take OBJ, open door, put OBJ in OBJ, look. Your response should use the following format: "
-    "Thought: your thoughts. Action: your next action")
+    "take OBJ, open door, put OBJ in OBJ, look. Respond with your next action only, on one line.")
 
 
 @dataclass(frozen=True)
@@ -282,6 +283,9 @@ class BuiltinEnv(EnvFamily):
     name = "builtin"
     max_rounds = {"train": 15, "eval": 20}
     invalid_action_message = INVALID
+    # a reply is the bare action line: the acting turns then share the format of CoPE's forecasting
+    # targets (SPEC 3: the action strings, one per line), so a small policy learns one format, not two
+    reply_format = "{action}"
 
     def __init__(self, num_train: int = 1000, num_test: int = 100) -> None:
         super().__init__()

@@ -150,8 +150,13 @@ def test_vocabulary_is_small(env):
     assert max(len(t) for t in trace) < 160
 
 
-def test_replies_in_react_format_parse_to_expert_actions(env):
+def test_replies_parse_to_expert_actions(env):
+    """The family's own reply format (the bare action line, as demonstrations are written and as
+    CoPE's forecasting targets list actions) and ReAct's both parse to the action."""
+    assert env.reply_format == "{action}" and "action only" in env.instruction()
     for tid in env.task_ids("test")[:20]:
         for a in env.expert_actions(tid):
+            assert env.parse_action(env.reply_format.format(action=a)) == a
             assert env.parse_action(f"Thought: next.\nAction: {a}") == a
             assert env.parse_action(f"Action: {a}") == a
+    assert env.parse_action("go north\ntake key") is None  # two actions are not one

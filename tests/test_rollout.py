@@ -128,3 +128,21 @@ def test_first_sampler_call_waits_for_the_results_that_can_join(setup):
                            RolloutConfig(max_rounds=2, max_turn_tokens=4))
     trajs, _ = runner.run([(t, 0) for t in FAMILY.task_ids("train")[:2]], jax.random.key(0))
     assert len(recorder.calls[0].tokens) == 2 and len(trajs) == 2
+
+
+def test_expert_demonstrations_are_written_in_the_family_reply_format(setup):
+    from cope_jax.demos import expert_trajectories
+
+    tok, chat, sampler, pool = setup
+    runner = RolloutRunner(sampler, pool, "builtin", FAMILY, chat, RolloutConfig(max_rounds=12))
+    ids = FAMILY.task_ids("train")[:4]
+    demos = expert_trajectories(runner, ids, max_rounds=12)
+    assert len(demos) == 4 and all(d.success for d in demos)
+    for d, t in zip(demos, ids):
+        want = FAMILY.expert_actions(t)
+        assert d.metadata["replies"] == want and d.actions == want  # bare action lines
+        start, end = d.action_spans[0]
+        assert tok.decode(d.tokens[start:end].tolist()) == want[0]
+    react = expert_trajectories(runner, ids[:1], max_rounds=12, reply_format="Action: {action}")
+    assert react[0].metadata["replies"][0] == f"Action: {FAMILY.expert_actions(ids[0])[0]}"
+    assert react[0].actions == FAMILY.expert_actions(ids[0])
