@@ -289,9 +289,8 @@ class Learner:
         # packed after the trajectories'): the forward passes run on those, rounded up to a power
         # of two micro-batches (few compiled shapes); the rest stays 0
         head = _micro_with_policy_tokens(batch)
-        policy_part = place_batch(jax.tree.map(lambda a: a[:head], batch) if head < batch.num_micro else batch,
-                                  self.mesh)
         batch = place_batch(batch, self.mesh)
+        policy_part = jax.tree.map(lambda a: a[:head], batch) if head < batch.num_micro else batch
 
         def logprobs(model=None):
             logp = self.logprobs(policy_part, model)
