@@ -199,7 +199,7 @@ class Trainer:
             raise RuntimeError("the expert solved no warm-start task")
         # optional: forecasting examples (SPEC 3's planning format, from the demonstrations, which
         # all succeed) teach the format before RL; without them a small policy's first CoPE steps
-        # learn it from scratch (CE ~75), and that fights its acting format until it collapses
+        # learn it from scratch, which can fight its acting format when the two differ
         n_af = ws.af_examples
         cope = METHODS["cope"]
         forecast = self._forecast_config(cope.forecast, self.spec.horizon or cope.horizon) if n_af else None

@@ -266,11 +266,6 @@ class EnvPool:
         queued = sum(len(w.queue) + (w.inflight is not None) for w in self._workers)
         return queued + sum(len(q) for q in self._waiting.values()) + len(self._ready)
 
-    def in_flight(self) -> int:
-        """Requests at a worker (sent or queued there) and results not yet returned by poll():
-        those that arrive without any episode ending first (unlike resets waiting for a slot)."""
-        return sum(len(w.queue) + (w.inflight is not None) for w in self._workers) + len(self._ready)
-
     def _can_progress(self) -> bool:
         """Whether a result can still arrive without the caller doing anything."""
         return any(w.inflight is not None or w.queue for w in self._workers)

@@ -95,8 +95,6 @@ class ReplayPool:
     def pending(self) -> int:
         return len(self._ready)
 
-    in_flight = pending
-
     def has_slot(self, episode) -> bool:
         return episode in self._where
 
