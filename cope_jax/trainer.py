@@ -49,17 +49,16 @@ from envs.registry import make_family
 WARMSTART_DIR = "warmstart"
 CHECKPOINT_DIR = "checkpoints"
 TOKENIZER_FILE = "tokenizer.model"
-# warmstart.lr_schedule -> decay steps of the optimizer's schedule, given the warm start's steps
-_WARMSTART_DECAY = {"constant": lambda steps: 0, "cosine": lambda steps: steps}
+WARMSTART_SCHEDULES = ("constant", "cosine")  # warmstart.lr_schedule
 
 
 class Trainer:
     """Owns the policy, sampler, environment pool, learner and logs of one run in `workdir`."""
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str):
-        if config.warmstart.lr_schedule not in _WARMSTART_DECAY:
+        if config.warmstart.lr_schedule not in WARMSTART_SCHEDULES:
             raise ValueError(f"warmstart.lr_schedule={config.warmstart.lr_schedule!r}: expected one of "
-                             f"{sorted(_WARMSTART_DECAY)}")
+                             f"{WARMSTART_SCHEDULES}")
         self.config, self.workdir = config, os.path.abspath(workdir)
         os.makedirs(self.workdir, exist_ok=True)
         self.is_main = jax.process_index() == 0
@@ -210,7 +209,7 @@ class Trainer:
         # and the forecasting targets (each segment weighted by its own rule); af only admits examples
         learner = Learner(self.model, dataclasses.replace(self.loss_cfg, rft_coef=1.0, af_coef=0.0, af_mode="joint"),
                           dataclasses.replace(self.opt_cfg, learning_rate=ws.learning_rate,
-                                              decay_steps=_WARMSTART_DECAY[ws.lr_schedule](ws.steps)),
+                                              decay_steps=ws.steps if ws.lr_schedule == "cosine" else 0),
                           mesh=self.mesh)
         rng = np.random.RandomState(self.config.seed)
         t0 = time.time()

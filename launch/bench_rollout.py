@@ -199,8 +199,7 @@ def measure(family_name: str, model, tokenizer, style: str) -> dict:
     # a measurement whose every run compiled is reported from those runs and named in `unclean`
     unclean = sorted(set(compiled) - set(best))
     best.update({k: compiled[k] for k in unclean})
-    out = {"suite": "rollout", "family": family_name, "workers": workers, "envs_per_worker": slots,
-           "rows": rows,
+    out = {"suite": "rollout", "family": family_name, "workers": workers, "envs_per_worker": slots, "rows": rows,
            "episodes": len(plan), "env_steps": stats.env_steps, "env_steps_replayed": env_steps,
            "gen_tokens": stats.generated_tokens, "gen_tokens_replayed": rstats.generated_tokens,
            **{k: round(v, 3) for k, v in best.items()}, "compile_s": round(_COMPILE["s"] - compile_before, 3),
