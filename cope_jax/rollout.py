@@ -196,6 +196,11 @@ class RolloutRunner:
                     stats.env_busy_s += r.elapsed
                     stats.env_steps += r.kind == "step"
                     live -= self._on_env_result(ep, r, state, need_row, ready)
+                if need_row and not cfg.sync:
+                    # prefill new episodes' prompts as their resets arrive: the call returns at once
+                    # (asynchronous dispatch), so the device prefills while the loop waits for the
+                    # other resets (observation turns are short: they stay batched)
+                    self._assign_rows(state, need_row, ready, stats)
                 if not cfg.sync and (ready or need_row):
                     # hold the sampler calls (prefills included) while results can still join
                     ready_since = ready_since or time.perf_counter()

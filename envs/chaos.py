@@ -2,7 +2,9 @@
 
 Actions `crash` (SIGKILL itself), `exit` (exit without answering), `hang` (never answer) and
 `raise` (an exception inside the environment) exercise every failure path of envs.pool; a reset
-with a negative task id hangs. With `spawn_child=True` the live side starts a long-sleeping child
+with a negative task id hangs. `rendezvous` answers only once another instance in the same worker
+has reached it too (within 5 s; otherwise it raises): it succeeds only where the worker runs its
+slots' calls at once. With `spawn_child=True` the live side starts a long-sleeping child
 process (standing in for ScienceWorld's JVM) and reports its pid in the reset info, so tests can
 check that killing a worker also kills what it started.
 """
@@ -13,10 +15,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
 from envs.builtin import BuiltinEnv
+
+
+_RENDEZVOUS = threading.Barrier(2)
 
 
 class ChaosEnv(BuiltinEnv):
@@ -50,6 +56,9 @@ class ChaosEnv(BuiltinEnv):
             time.sleep(1e6)
         if action == "raise":
             raise RuntimeError("chaos: injected failure")
+        if action == "rendezvous":
+            _RENDEZVOUS.wait(timeout=5.0)  # BrokenBarrierError when no peer call runs meanwhile
+            return "Met.", 0.0, False, {}
         return super()._step(action)
 
     def close(self) -> None:

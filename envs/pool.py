@@ -23,7 +23,9 @@ at interpreter exit and from `__del__`) kills; a worker whose parent dies kills 
         pool.submit_step("ep0", "look around")
 
 Each worker holds `envs_per_worker` environment instances (slots), i.e. that many live episodes;
-resets beyond the free slots wait in a queue and start as episodes finish or are released.
+resets beyond the free slots wait in a queue and start as episodes finish or are released. A worker
+answers one call at a time, unless its family has `concurrent_slots` (FamilySpec): then every slot
+has a call in flight at once (ScienceWorld: each slot's JVM works while the others do).
 An EnvPool is driven from one thread (the rollout loop); it starts no threads of its own.
 """
 
@@ -77,6 +79,7 @@ class _Request:
     episode: Hashable
     payload: dict[str, Any]
     submitted: float
+    sent: float = 0.0                          # when it went to the worker (its deadline starts)
 
 
 @dataclass
@@ -98,8 +101,7 @@ class _Worker:
         self.family, self.index = family, index
         self.slots: list[Hashable | None] = [None] * slots
         self.queue: collections.deque[_Request] = collections.deque()
-        self.inflight: _Request | None = None
-        self.sent_at = 0.0
+        self.inflight: dict[int, _Request] = {}  # slot -> request the worker is answering
         self.proc: subprocess.Popen | None = None
         self.state = "dead"                    # starting | idle | dead
         self.buf = bytearray()
@@ -263,12 +265,12 @@ class EnvPool:
 
     def pending(self) -> int:
         """Requests not yet returned by poll()."""
-        queued = sum(len(w.queue) + (w.inflight is not None) for w in self._workers)
+        queued = sum(len(w.queue) + len(w.inflight) for w in self._workers)
         return queued + sum(len(q) for q in self._waiting.values()) + len(self._ready)
 
     def _can_progress(self) -> bool:
         """Whether a result can still arrive without the caller doing anything."""
-        return any(w.inflight is not None or w.queue for w in self._workers)
+        return any(w.inflight or w.queue for w in self._workers)
 
     def has_slot(self, episode: Hashable) -> bool:
         """Whether a live episode holds an environment slot (its reset is not queued for one)."""
@@ -290,7 +292,7 @@ class EnvPool:
             return
         self._closed = True
         for w in self._workers:
-            if w.state != "idle" or w.inflight is not None:
+            if w.state != "idle" or w.inflight:
                 self._kill(w)  # busy or still starting: it would not read the request
             elif w.proc is not None:
                 try:
@@ -343,7 +345,7 @@ class EnvPool:
             self._start_failed(w, f"cannot start {self._python[w.family]}: {e}")
             return
         init = {"op": "init", "target": self._specs[w.family].target,
-                "kwargs": self._kwargs[w.family]}
+                "kwargs": self._kwargs[w.family], "concurrent": self._specs[w.family].concurrent_slots}
         try:
             w.proc.stdin.write(json.dumps(init).encode() + b"\n")
             w.proc.stdin.flush()
@@ -378,8 +380,10 @@ class EnvPool:
                 pass
         w.state = "dead"
 
-    def _worker_lost(self, w: _Worker, error: str, reason: str) -> None:
-        """The worker died or hung: fail its episodes, replace it."""
+    def _worker_lost(self, w: _Worker, error: str, reason: str, culprit: _Request | None = None) -> None:
+        """The worker died or hung: fail its episodes, replace it. With `culprit` (the call that
+        missed its deadline) only that call gets `error`; the worker's other calls in flight
+        were lost with it ('crashed')."""
         code = w.proc.poll() if w.proc is not None else None
         tail = w.stderr_tail()
         self._kill(w)
@@ -390,9 +394,12 @@ class EnvPool:
             detail += f"; stderr tail: {tail[-600:]}"
         pid = w.proc.pid if w.proc is not None else None
         failed = []
-        if w.inflight is not None:
-            failed.append((w.inflight, error, detail))
-            w.inflight = None
+        for req in w.inflight.values():
+            if culprit is None or req is culprit:
+                failed.append((req, error, detail))
+            else:
+                failed.append((req, "crashed", f"worker lost: {detail}"))
+        w.inflight = {}
         # Calls queued behind the failed one: lost with the worker (or with its failed start).
         queued_error = "start_failed" if error == "start_failed" else "crashed"
         failed += [(req, queued_error, f"worker lost: {detail}") for req in w.queue]
@@ -432,13 +439,14 @@ class EnvPool:
                 self._start_failed(w, f"worker did not start within "
                                       f"{self._specs[w.family].start_timeout:.0f}s")
                 self._worker_lost(w, "start_failed", "start timeout")
-            elif w.inflight is not None and now - w.sent_at > self._timeouts[w.family]:
-                self._worker_lost(w, "timeout",
-                                  f"no answer within {self._timeouts[w.family]:.1f}s")
+            elif w.inflight:
+                late = min(w.inflight.values(), key=lambda r: r.sent)
+                if now - late.sent > self._timeouts[w.family]:
+                    self._worker_lost(w, "timeout", f"no answer within {self._timeouts[w.family]:.1f}s",
+                                      culprit=late)
 
     def _next_deadline(self) -> float:
-        deadlines = [w.sent_at + self._timeouts[w.family] for w in self._workers
-                     if w.inflight is not None]
+        deadlines = [r.sent + self._timeouts[w.family] for w in self._workers for r in w.inflight.values()]
         deadlines += [w.started_at + self._specs[w.family].start_timeout for w in self._workers
                       if w.state == "starting"]
         return min(deadlines, default=time.monotonic() + 0.5)
@@ -480,9 +488,9 @@ class EnvPool:
             self._assign_waiting(w.family)
             self._dispatch(w)
             return
-        req, w.inflight = w.inflight, None
+        req = w.inflight.pop(msg.get("slot"), None)
         if req is None:
-            self._worker_lost(w, "crashed", "unexpected message")
+            self._worker_lost(w, "crashed", f"unexpected message for slot {msg.get('slot')!r}")
             return
         ep = self._episodes[req.episode]
         ep.busy = False
@@ -506,17 +514,22 @@ class EnvPool:
 
     # ---- scheduling ---------------------------------------------------------------------------
     def _dispatch(self, w: _Worker) -> None:
-        if w.state != "idle" or w.inflight is not None or not w.queue:
-            return
-        req = w.queue.popleft()
-        try:
-            w.proc.stdin.write(json.dumps(req.payload).encode("utf-8") + b"\n")
-            w.proc.stdin.flush()
-        except OSError:
-            w.inflight = req
-            self._worker_lost(w, "crashed", "worker pipe closed")
-            return
-        w.inflight, w.sent_at = req, time.monotonic()
+        """Send queued calls the worker can start now: one at a time, or with concurrent slots one
+        per slot (a slot's calls stay in order), so each call's deadline covers only its own work."""
+        concurrent = self._specs[w.family].concurrent_slots
+        while w.state == "idle" and w.queue and (concurrent or not w.inflight):
+            req = next((r for r in w.queue if r.payload["slot"] not in w.inflight), None)
+            if req is None:
+                return
+            w.queue.remove(req)
+            req.sent = time.monotonic()
+            w.inflight[req.payload["slot"]] = req
+            try:
+                w.proc.stdin.write(json.dumps(req.payload).encode("utf-8") + b"\n")
+                w.proc.stdin.flush()
+            except OSError:
+                self._worker_lost(w, "crashed", "worker pipe closed")
+                return
 
     def _assign_waiting(self, family: str) -> None:
         """Give queued resets the free slots of this family's workers (least loaded first)."""

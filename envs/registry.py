@@ -24,6 +24,10 @@ class FamilySpec:
     target: str                               # "module:Class" of an envs.base.EnvFamily
     call_timeout: float = 60.0                # default per-call timeout in the pool (seconds)
     start_timeout: float = 120.0              # worker start-up (interpreter + imports)
+    # a worker runs its slots' calls at once, a thread per slot: for families whose instances are
+    # independent and whose calls release the GIL (ScienceWorld: one JVM per instance, reached
+    # over a socket); pure-Python or shared-state families answer one call at a time
+    concurrent_slots: bool = False
     kwargs: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -34,7 +38,7 @@ class FamilySpec:
 FAMILIES: dict[str, FamilySpec] = {
     spec.name: spec for spec in (
         FamilySpec("builtin", "envs.builtin:BuiltinEnv", call_timeout=10.0),
-        FamilySpec("sciworld", "envs.sciworld:SciWorldEnv", call_timeout=60.0),
+        FamilySpec("sciworld", "envs.sciworld:SciWorldEnv", call_timeout=60.0, concurrent_slots=True),
         FamilySpec("alfworld", "envs.alfworld:AlfWorldEnv", call_timeout=60.0),
         FamilySpec("webshop", "envs.webshop:WebShopEnv", call_timeout=60.0, start_timeout=300.0),
         FamilySpec("appworld", "envs.appworld:AppWorldEnv", call_timeout=120.0,

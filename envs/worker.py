@@ -4,13 +4,18 @@ Run as `python -m envs.worker` by envs.pool, possibly under a family's own inter
 module imports only the standard library and envs/ (never JAX or the model). Messages are JSON
 lines (plain data) on stdin / the original stdout:
 
-    parent -> worker: {"op": "init", "target": "module:Class", "kwargs": {...}}      (first line)
+    parent -> worker: {"op": "init", "target": "module:Class", "kwargs": {...},
+                       "concurrent": false}                                    (first line)
                       {"op": "reset", "slot": 0, "task_id": 7, "max_steps": 20}
                       {"op": "step", "slot": 0, "action": "go north" | null}
                       {"op": "close"}
     worker -> parent: {"ready": true, "pid": ...}  or  {"ready": false, "reason": ...}
-                      {"ok": true, "observation": ..., "score": ..., "done": ..., "success": ...,
-                       "info": {...}}  or  {"ok": false, "error": "env_error", "reason": ...}
+                      {"ok": true, "slot": 0, "observation": ..., "score": ..., "done": ...,
+                       "success": ..., "info": {...}}
+                      or  {"ok": false, "slot": 0, "error": "env_error", "reason": ...}
+
+With "concurrent" the slots' requests run at the same time (a thread per slot) and replies come in
+completion order, each naming its slot; otherwise one request at a time, in order.
 
 Anything an environment prints goes to stderr (fd 1 is re-pointed there), so it cannot corrupt the
 protocol. A watchdog thread kills the worker's whole process group (its JVMs included) when the
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import sys
 import threading
@@ -57,6 +63,82 @@ class _Channel:
         return json.loads(line) if line else None
 
 
+class _Slots:
+    """The worker's environment instances, one per slot, each used by one thread only.
+
+    Serial (default): requests run one after another on the main thread. Concurrent (the family's
+    `concurrent_slots`): each slot has its own thread, so one slot's reset or step (ScienceWorld:
+    a call into its own JVM, which releases the GIL) runs while another slot's is in progress;
+    requests of one slot still run in order.
+    """
+
+    def __init__(self, cls, kwargs: dict, chan: _Channel, concurrent: bool) -> None:
+        self._cls, self._kwargs, self._chan = cls, kwargs, chan
+        self._envs: dict[int, object] = {}
+        self._send_lock = threading.Lock()
+        self._concurrent = concurrent
+        self._queues: dict[int, queue.SimpleQueue] = {}
+        self._threads: list[threading.Thread] = []
+
+    def submit(self, msg: dict) -> None:
+        slot = int(msg.get("slot", 0))
+        if not self._concurrent:
+            self._run(slot, msg)
+            return
+        q = self._queues.get(slot)
+        if q is None:
+            q = self._queues[slot] = queue.SimpleQueue()
+            t = threading.Thread(target=self._serve_slot, args=(slot, q), daemon=True)
+            t.start()
+            self._threads.append(t)
+        q.put(msg)
+
+    def _serve_slot(self, slot: int, q: queue.SimpleQueue) -> None:
+        while (msg := q.get()) is not None:
+            self._run(slot, msg)
+
+    def _send(self, msg: dict) -> None:
+        with self._send_lock:
+            self._chan.send(msg)
+
+    def _run(self, slot: int, msg: dict) -> None:
+        try:
+            if msg["op"] == "reset":
+                env = self._envs.get(slot)
+                if env is None:
+                    env = self._envs[slot] = self._cls(**self._kwargs)
+                obs, info = env.reset(msg["task_id"], msg.get("max_steps"))
+                score = float(info.get("score", 0.0))
+                self._send({"ok": True, "slot": slot, "observation": obs, "score": score, "done": False,
+                            "success": False, "info": info})
+            elif msg["op"] == "step":
+                env = self._envs[slot]
+                obs, score, done, info = env.step(msg.get("action"))
+                self._send({"ok": True, "slot": slot, "observation": obs, "score": score, "done": done,
+                            "success": bool(env.success(score, done, info)), "info": info})
+            else:
+                self._send({"ok": False, "slot": slot, "error": "env_error", "reason": f"bad op {msg['op']!r}"})
+        except Exception:  # noqa: BLE001 - the episode fails, the worker lives on
+            env = self._envs.pop(slot, None)
+            try:
+                if env is not None:
+                    env.close()
+            except Exception:  # noqa: BLE001
+                pass
+            self._send({"ok": False, "slot": slot, "error": "env_error", "reason": traceback.format_exc(limit=8)})
+
+    def close(self) -> None:
+        for q in self._queues.values():
+            q.put(None)
+        for t in self._threads:  # the pool closes only idle workers: the threads are waiting
+            t.join(timeout=5.0)
+        for env in self._envs.values():
+            try:
+                env.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+
 def _serve(chan: _Channel) -> None:
     init = chan.recv()
     if init is None:
@@ -70,44 +152,15 @@ def _serve(chan: _Channel) -> None:
         chan.send({"ready": False, "reason": traceback.format_exc(limit=5)})
         return
     chan.send({"ready": True, "pid": os.getpid()})
-    slots: dict[int, object] = {}
+    slots = _Slots(cls, kwargs, chan, bool(init.get("concurrent")))
     try:
         while True:
             msg = chan.recv()
             if msg is None or msg.get("op") == "close":
                 return
-            slot = int(msg.get("slot", 0))
-            try:
-                if msg["op"] == "reset":
-                    env = slots.get(slot)
-                    if env is None:
-                        env = slots[slot] = cls(**kwargs)
-                    obs, info = env.reset(msg["task_id"], msg.get("max_steps"))
-                    score = float(info.get("score", 0.0))
-                    chan.send({"ok": True, "observation": obs, "score": score, "done": False,
-                               "success": False, "info": info})
-                elif msg["op"] == "step":
-                    env = slots[slot]
-                    obs, score, done, info = env.step(msg.get("action"))
-                    chan.send({"ok": True, "observation": obs, "score": score, "done": done,
-                               "success": bool(env.success(score, done, info)), "info": info})
-                else:
-                    chan.send({"ok": False, "error": "env_error", "reason": f"bad op {msg['op']!r}"})
-            except Exception:  # noqa: BLE001 - the episode fails, the worker lives on
-                env = slots.pop(slot, None)
-                try:
-                    if env is not None:
-                        env.close()
-                except Exception:  # noqa: BLE001
-                    pass
-                chan.send({"ok": False, "error": "env_error",
-                           "reason": traceback.format_exc(limit=8)})
+            slots.submit(msg)
     finally:
-        for env in slots.values():
-            try:
-                env.close()
-            except Exception:  # noqa: BLE001
-                pass
+        slots.close()
 
 
 def main() -> None:

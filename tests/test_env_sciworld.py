@@ -26,7 +26,8 @@ def env():
 
 @pytest.fixture(scope="module")
 def pool():
-    with EnvPool({"sciworld": 2}) as p:
+    # one worker with two JVMs, which it drives at once (FamilySpec.concurrent_slots)
+    with EnvPool({"sciworld": 1}, envs_per_worker=2) as p:
         yield p
 
 
@@ -91,6 +92,7 @@ def test_gold_replay_through_the_pool_gives_y1(env, pool):
             else:
                 pool.submit_step(r.episode, golds[r.episode].pop(0))
     assert len({POOL[t][0] for t in finals}) >= 3
+    assert len({r.worker_pid for r in finals.values()}) == 1
     for tid, r in finals.items():
         assert r.success and r.score == 100, (POOL[tid], r)
 

@@ -17,12 +17,16 @@ from pathlib import Path
 
 import pytest
 
+import dataclasses
+
 from envs.builtin import BuiltinEnv
 from envs.pool import EnvPool
+from envs.registry import get_spec
 
 FAM = BuiltinEnv()
 REPO = str(Path(__file__).resolve().parent.parent)
 CHAOS = {"chaos": {"spawn_child": True}}
+CONCURRENT = {"chaos": dataclasses.replace(get_spec("chaos"), concurrent_slots=True)}
 
 
 def _alive(pid):
@@ -99,11 +103,12 @@ def test_sigkill_while_episode_is_idle():
         assert _reset(pool, "next").worker_pid != r.worker_pid
 
 
-def test_hang_past_timeout_is_killed_and_the_batch_completes():
+@pytest.mark.parametrize("concurrent", [False, True], ids=["serial", "concurrent"])
+def test_hang_past_timeout_is_killed_and_the_batch_completes(concurrent):
     tids = FAM.task_ids("test")[:8]
     episodes = {i: t for i, t in enumerate(tids)}
-    with EnvPool({"chaos": 2}, envs_per_worker=2, call_timeout=1.0,
-                 family_kwargs=CHAOS) as pool:
+    with EnvPool({"chaos": 2}, envs_per_worker=2, call_timeout=1.0, family_kwargs=CHAOS,
+                 specs=CONCURRENT if concurrent else None) as pool:
         before = set(pool.worker_pids())
         t = time.monotonic()
         finals = _drive_batch(pool, episodes, {3: "hang"})
@@ -191,3 +196,26 @@ def test_no_orphans_when_the_parent_is_interrupted_or_killed(how):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_concurrent_slots_answer_at_once_and_in_completion_order():
+    with EnvPool({"chaos": 1}, envs_per_worker=3, call_timeout=3.0, specs=CONCURRENT) as pool:
+        pid = {_reset(pool, ep).worker_pid for ep in ("a", "b", "slow")}
+        assert len(pid) == 1  # one worker, three slots
+        # both calls must be running at the same time for either to return (envs.chaos)
+        pool.submit_step("a", "rendezvous")
+        pool.submit_step("b", "rendezvous")
+        got = pool.wait_all(timeout=10)
+        assert sorted(r.episode for r in got) == ["a", "b"]
+        assert all(r.ok and r.observation == "Met." for r in got), got
+        # a slot's quick call is answered while another slot's call is still running
+        pool.submit_step("slow", "hang")
+        pool.submit_step("a", "look")
+        (first,) = pool.poll(timeout=2.0)
+        assert first.episode == "a" and first.ok
+        (hung,) = pool.wait_all(timeout=10)
+        assert hung.episode == "slow" and hung.error == "timeout"
+        # an idle episode of the killed worker fails at its next call
+        pool.submit_step("b", "look")
+        (lost,) = pool.wait_all(timeout=10)
+        assert lost.error == "crashed" and "idle" in lost.reason

@@ -30,14 +30,19 @@ class Recorder:
     """Wraps a sampler and records what each generate call returned, per row."""
 
     def __init__(self, sampler):
-        self.sampler, self.calls = sampler, []
+        self.sampler, self.calls, self.events = sampler, [], []
 
     def __getattr__(self, name):
         return getattr(self.sampler, name)
 
+    def start(self, prompts, state=None, rows=None):
+        self.events.append(("start", len(prompts)))
+        return self.sampler.start(prompts, state, rows=rows)
+
     def generate(self, state, rows, *args, **kw):
         out = self.sampler.generate(state, rows, *args, **kw)
         self.calls.append(out)
+        self.events.append(("generate", len(rows)))
         return out
 
 
@@ -128,6 +133,9 @@ def test_first_sampler_call_waits_for_the_results_that_can_join(setup):
                            RolloutConfig(max_rounds=2, max_turn_tokens=4))
     trajs, _ = runner.run([(t, 0) for t in FAMILY.task_ids("train")[:2]], jax.random.key(0))
     assert len(recorder.calls[0].tokens) == 2 and len(trajs) == 2
+    # each prompt was prefilled as its reset arrived, before that first call (the device prefills
+    # while the loop waits for the other resets)
+    assert recorder.events[:3] == [("start", 1), ("start", 1), ("generate", 2)]
 
 
 def test_expert_demonstrations_are_written_in_the_family_reply_format(setup):
