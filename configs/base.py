@@ -47,6 +47,7 @@ def base_config(method: str = "cope") -> ml_collections.ConfigDict:
     ))
     c.train = ml_collections.ConfigDict(dict(
         steps=100, learning_rate=1e-6, weight_decay=0.01, clip_norm=1.0, b1=0.9, b2=0.999,
+        lr_warmup_steps=0,  # optimizer steps of linear warm-up (0: the paper's constant rate)
         minibatch_tasks=2,  # PPO mini-batch in tasks (Table 9: 2 or 8 tasks' worth)
         row_len=16384, rows_per_micro=1,  # packing: [rows, row_len] per micro-batch
         clip_low=0.2, clip_high=0.2, dual_clip=0.0,  # dual clip c (0 = off; SPEC: 3.0 when on)

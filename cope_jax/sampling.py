@@ -5,9 +5,10 @@ functions on arrays; the sampler calls them once per decode step.
 
 Semantics (transformers' `generate` order): logits / temperature, then top-k (keep the k highest,
 ties with the k-th kept), then top-p (keep the smallest most-likely set whose probability reaches
-top_p, computed after top-k), then one categorical draw (Gumbel-max, exact). `greedy` or
-temperature 0 takes the argmax of the raw logits. The logprob returned for a token is the policy's:
-log-softmax of the raw logits (temperature 1, before any filtering), whatever setting drew it.
+top_p, computed after top-k), then one categorical draw (`categorical`: inverse CDF, one uniform
+number per row). `greedy` or temperature 0 takes the argmax of the raw logits. The logprob returned
+for a token is the policy's: log-softmax of the raw logits (temperature 1, before any filtering),
+whatever setting drew it.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 _NEG_INF = -jnp.inf
+_BLOCK = 128  # `categorical` sums the probabilities in blocks of this many tokens
 
 
 def argmax(x: jax.Array) -> jax.Array:
@@ -26,6 +28,33 @@ def argmax(x: jax.Array) -> jax.Array:
     n = x.shape[-1]
     first = jnp.min(jnp.where(x == x.max(-1, keepdims=True), jnp.arange(n, dtype=jnp.int32), n), -1)
     return jnp.minimum(first, n - 1)  # a NaN row has no maximum: clamp rather than index past V
+
+
+def categorical(scaled: jax.Array, keys) -> jax.Array:
+    """One draw per row from softmax(scaled): scaled [R, V] float (-inf: excluded), keys [R] -> [R] int32.
+
+    Inverse CDF on one uniform number per row, in two levels: the cumulative mass of blocks of
+    `_BLOCK` tokens picks a block, the cumulative mass inside it picks the token. Gumbel-max needs
+    V random numbers per row instead, which dominated a sampled decode step over Qwen's 152k
+    vocabulary (~12 ms for 8 rows on this 2-core CPU, against ~1 ms for this).
+    """
+    R, V = scaled.shape
+    nb = -(-V // _BLOCK)
+    p = jnp.exp(scaled - scaled.max(-1, keepdims=True))
+    p = jnp.pad(p, ((0, 0), (0, nb * _BLOCK - V))).reshape(R, nb, _BLOCK)
+    mass = p.sum(-1)  # [R, nb]
+    upto = jnp.cumsum(mass, -1)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (), scaled.dtype))(keys)
+    target = u * upto[:, -1]
+    pick = lambda a, i: jnp.take_along_axis(a, i[:, None], axis=-1)[:, 0]  # noqa: E731
+    blk = jnp.minimum(jnp.sum(upto <= target[:, None], -1), nb - 1)
+    # float rounding can step onto a block or token of no mass: take the likeliest one instead
+    blk = jnp.where(pick(mass, blk) > 0, blk, argmax(mass))
+    inside = jnp.take_along_axis(p, blk[:, None, None], axis=1)[:, 0]  # [R, _BLOCK]
+    rest = target - (pick(upto, blk) - pick(mass, blk))
+    j = jnp.minimum(jnp.sum(jnp.cumsum(inside, -1) <= rest[:, None], -1), _BLOCK - 1)
+    j = jnp.where(pick(inside, j) > 0, j, argmax(inside))
+    return (blk * _BLOCK + j).astype(jnp.int32)
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -70,8 +99,7 @@ def sample_tokens(logits: jax.Array, keys, temperature: jax.Array, top_k: jax.Ar
                               lambda: jnp.where(filtering, filter_cutoff(scaled, top_k, top_p), _NEG_INF),
                               lambda: jnp.full(scaled.shape[:1], _NEG_INF, scaled.dtype))
         scaled = jnp.where(scaled >= cutoff[:, None], scaled, _NEG_INF)
-        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, scaled.shape[-1:], scaled.dtype))(row_keys)
-        return jnp.where(greedy, best, argmax(scaled + gumbel))  # Gumbel-max: an exact categorical draw
+        return jnp.where(greedy, best, categorical(scaled, row_keys))
 
     # all-greedy steps (evaluation, benchmarks) skip the random draw and the sort entirely
     return jax.lax.cond(jnp.all(greedy), lambda: best, draw)

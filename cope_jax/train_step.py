@@ -46,7 +46,9 @@ from models import sharding as shd
 class OptimizerConfig:
     """AdamW with global-norm clipping; SPEC 2 defaults (constant lr). `decay_steps` > 0: a short
     linear warm-up, then cosine decay to `learning_rate * final_lr_fraction` at that step (the
-    supervised warm start uses it; RL keeps the paper's constant rate)."""
+    supervised warm start uses it). Otherwise `warmup_steps` > 0: a linear warm-up to a constant
+    rate. A fresh AdamW state makes its first updates lr x sign(g) on every parameter (the second
+    moment has seen one gradient), which at a rate that suits later steps throws a policy far off."""
 
     learning_rate: float = 1e-6
     b1: float = 0.9
@@ -56,10 +58,13 @@ class OptimizerConfig:
     clip_norm: float = 1.0
     decay_steps: int = 0
     final_lr_fraction: float = 0.05
+    warmup_steps: int = 0
 
     def schedule(self) -> optax.Schedule | float:
         if self.decay_steps <= 0:
-            return self.learning_rate
+            if self.warmup_steps <= 0:
+                return self.learning_rate
+            return optax.linear_schedule(0.0, self.learning_rate, transition_steps=self.warmup_steps)
         return optax.warmup_cosine_decay_schedule(
             0.0, self.learning_rate, warmup_steps=max(1, self.decay_steps // 20),
             decay_steps=self.decay_steps, end_value=self.learning_rate * self.final_lr_fraction)

@@ -73,7 +73,8 @@ class Trainer:
             af_mode=c.train.af_mode, rft_coef=c.train.rft_coef, echo_coef=c.train.echo_coef,
             progpo_scale=c.train.progpo_scale, logits_chunk_tokens=c.train.logprob_chunk)
         self.opt_cfg = OptimizerConfig(learning_rate=c.train.learning_rate, b1=c.train.b1, b2=c.train.b2,
-                                       weight_decay=c.train.weight_decay, clip_norm=c.train.clip_norm)
+                                       weight_decay=c.train.weight_decay, clip_norm=c.train.clip_norm,
+                                       warmup_steps=c.train.lr_warmup_steps)
         self.family = make_family(c.env.family)
         self.tokenizer = self._tokenizer()
         self.chat = ChatFormat(self.tokenizer, c.chat_style)

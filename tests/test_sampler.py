@@ -12,7 +12,7 @@ import torch
 
 import models
 from cope_jax.sampler import Sampler
-from cope_jax.sampling import sample_tokens
+from cope_jax.sampling import categorical, sample_tokens
 from tests.hf_fixtures import TINY_CONFIGS, hf_logits, make_tiny_hf
 
 B, MAX_LEN = 4, 64
@@ -157,6 +157,29 @@ def test_top_k_top_p_temperature_sample_the_filtered_distribution():
         counts = np.bincount(toks, minlength=V)
         assert counts[~keep].sum() == 0
         assert scipy.stats.chisquare(counts[keep], expected[keep] * R).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("V, top_k", [(1000, 0), (1000, 7), (300, 130)])
+def test_categorical_draws_follow_the_softmax_across_blocks(V, top_k):
+    """The two-level inverse CDF over vocabularies of several blocks (not a multiple of the block),
+    with excluded tokens (-inf) spread over whole blocks, never draws an excluded or padding token."""
+    R = 20000
+    rng = np.random.RandomState(V + top_k)
+    logits = (rng.randn(V) * 2).astype(np.float32)
+    if top_k:
+        keep = np.zeros(V, bool)
+        keep[rng.choice(V, top_k, replace=False)] = True
+        logits = np.where(keep, logits, -np.inf).astype(np.float32)
+    p = np.exp(logits.astype(np.float64) - logits.max())
+    p /= p.sum()
+    toks = np.asarray(jax.jit(categorical)(jnp.tile(logits, (R, 1)), jax.random.split(jax.random.key(2), R)))
+    assert toks.min() >= 0 and toks.max() < V
+    counts = np.bincount(toks, minlength=V)
+    assert counts[p == 0].sum() == 0
+    assert _chi2_pvalue(counts[p > 0], p[p > 0]) > 1e-3
+    # and the test can fail: the same draws are rejected against a flattened distribution
+    flat = p ** 0.8 / np.sum(p ** 0.8)
+    assert _chi2_pvalue(counts[p > 0], flat[p > 0]) < 1e-3
 
 
 def test_stop_sequences_and_eos_end_only_their_row(setup):

@@ -304,6 +304,8 @@ def test_optimizer_schedule_warms_up_then_decays():
     assert all(a >= b for a, b in zip(values[5:], values[6:]))  # then only down
     assert values[100] == pytest.approx(0.1)
     assert train_step.OptimizerConfig(learning_rate=2.0).schedule() == 2.0  # default: constant
+    warm = train_step.OptimizerConfig(learning_rate=2.0, warmup_steps=4).schedule()  # RL: warm-up only
+    assert [float(warm(i)) for i in (0, 2, 4, 50)] == pytest.approx([0.0, 1.0, 2.0, 2.0])
     # the optimizer follows it: the first step (lr 0) leaves the parameters where they are
     tx = train_step.make_optimizer(cfg)
     params = {"w": jnp.ones(3)}
