@@ -4,24 +4,50 @@ A family that can solve its own tasks exposes `expert_actions(task_id) -> list[s
 side (the built-in environment does). The expert's actions are played through the environment pool,
 so observations are the real ones, and each episode is laid out by the same code as a sampled
 rollout (`scripted_trajectory`); the replies are written in the family's `reply_format`.
+
+Recovery (`mistakes` > 0, DART-style): before each expert action, with that probability, a broken
+copy of it is played first (its last word dropped: `go`, `take`, `put cup in`), which the
+environment answers with its invalid-action message, and the expert then carries on (slips only
+where the round limit leaves room for them). The broken reply is context only (no loss), so the policy is taught what to do after a mistake, never the
+mistake; without it, a policy imitating a flawless expert has never seen the invalid-action
+message and tends to repeat the failed action until the round limit.
 """
 from __future__ import annotations
 
+import random
 from typing import Sequence
 
 from cope_jax.rollout import RolloutRunner, scripted_trajectory
 from cope_jax.trajectory import Trajectory
 
+def _broken(action: str) -> str:
+    head, _, _ = action.rpartition(" ")
+    return head or f"{action} it"
+
+
 def expert_trajectories(runner: RolloutRunner, task_ids: Sequence[int], *, max_rounds: int,
-                        reply_format: str | None = None, timeout: float = 120.0) -> list[Trajectory]:
+                        reply_format: str | None = None, timeout: float = 120.0, mistakes: float = 0.0,
+                        seed: int = 0) -> list[Trajectory]:
     """Plays the expert on each task (all episodes in flight at once); keeps the successful ones.
-    Replies follow `reply_format` (default: the family's)."""
+    Replies follow `reply_format` (default: the family's). `mistakes`: the probability of a broken
+    action (context only) before each expert action (module docstring); `seed` draws them."""
     family, pool = runner.family, runner.pool
     reply_format = reply_format or family.reply_format
     if not hasattr(family, "expert_actions"):
         raise ValueError(f"environment family {runner.family_name!r} has no expert_actions(); "
                          "the warm start needs demonstrations")
-    plans = {i: list(family.expert_actions(t))[:max_rounds] for i, t in enumerate(task_ids)}
+    rng = random.Random(seed)
+    plans, broken = {}, {}
+    for i, t in enumerate(task_ids):
+        expert = list(family.expert_actions(t))
+        spare = max_rounds - len(expert)  # slips never cost a demonstration its success
+        plan, slips = [], set()
+        for a in expert:
+            if len(slips) < spare and rng.random() < mistakes:
+                slips.add(len(plan))
+                plan.append(_broken(a))
+            plan.append(a)
+        plans[i], broken[i] = plan[:max_rounds], slips
     record = {i: {"obs": [], "infos": [], "score": 0.0, "success": False, "next": 0} for i in plans}
     for i, t in enumerate(task_ids):
         pool.submit_reset(("demo", i), runner.family_name, int(t), max_steps=max_rounds)
@@ -44,10 +70,13 @@ def expert_trajectories(runner: RolloutRunner, task_ids: Sequence[int], *, max_r
             pool.submit_step(r.episode, plans[i][rec["next"]])
             rec["next"] += 1
     out = []
+    invalid = family.invalid_action_message
     for i, t in enumerate(task_ids):
         rec = record[i]
-        if rec["success"]:
+        # a broken action the environment accepted changed the state the expert planned from
+        clean = all(j + 1 >= len(rec["obs"]) or rec["obs"][j + 1] == invalid for j in broken[i])
+        if rec["success"] and clean:
             replies = [reply_format.format(action=a) for a in plans[i][:rec["next"]]]
             out.append(scripted_trajectory(runner, t, i, rec["obs"], rec["infos"], replies,
-                                           score=rec["score"], success=True))
+                                           score=rec["score"], success=True, context_only=sorted(broken[i])))
     return out

@@ -373,9 +373,10 @@ def _turn_keys(key, uids, turns):
 
 def scripted_trajectory(runner: RolloutRunner, task_id: int, group_id: int, observations: Sequence[str],
                         infos: Sequence[dict], replies: Sequence[str], *, score: float, success: bool,
-                        finish_reason: str = "done") -> Trajectory:
+                        finish_reason: str = "done", context_only: Sequence[int] = ()) -> Trajectory:
     """A trajectory whose assistant turns are given text (expert demonstrations), laid out exactly as
-    the live loop lays out sampled turns: observations[i] (with infos[i]) precedes replies[i]."""
+    the live loop lays out sampled turns: observations[i] (with infos[i]) precedes replies[i].
+    Replies whose index is in `context_only` are not action tokens (no loss reads them)."""
     tok = runner.chat.tokenizer
     ep = _Episode(0, int(task_id), int(group_id), family=runner.family_name)
     for turn in runner.preamble(ep.task_id):
@@ -387,9 +388,10 @@ def scripted_trajectory(runner: RolloutRunner, task_id: int, group_id: int, obse
         ep.add_turn(runner._observation_turn(obs, infos[i]), obs=True)
         ep.add(runner._gen_prompt)
         start = len(ep.tokens)
-        ep.add(tok.encode(replies[i]), action=True)
+        act = i not in context_only
+        ep.add(tok.encode(replies[i]), action=act)
         ep.action_spans.append((start, len(ep.tokens)))
-        ep.add([runner.im_end], action=True)
+        ep.add([runner.im_end], action=act)
         ep.add(runner.chat.end_of_turn())
         ep.replies.append(replies[i])
         ep.actions.append(runner.family.parse_action(replies[i]))

@@ -154,3 +154,30 @@ def test_expert_demonstrations_are_written_in_the_family_reply_format(setup):
     react = expert_trajectories(runner, ids[:1], max_rounds=12, reply_format="Action: {action}")
     assert react[0].metadata["replies"][0] == f"Action: {FAMILY.expert_actions(ids[0])[0]}"
     assert react[0].actions == FAMILY.expert_actions(ids[0])
+
+
+def test_expert_demonstrations_with_mistakes_teach_recovery_not_the_mistake(setup):
+    from cope_jax.demos import expert_trajectories
+
+    tok, chat, sampler, pool = setup
+    runner = RolloutRunner(sampler, pool, "builtin", FAMILY, chat, RolloutConfig(max_rounds=20))
+    ids = FAMILY.task_ids("train")[:8]
+    demos = expert_trajectories(runner, ids, max_rounds=20, mistakes=0.5, seed=1)
+    assert len(demos) == 8 and all(d.success for d in demos)
+    slips = 0
+    for d in demos:
+        want = FAMILY.expert_actions(int(d.task_id))
+        taken = []
+        for k, (start, end) in enumerate(d.action_spans):
+            if d.action_mask[start:end].any():  # an expert turn: trained on
+                assert d.action_mask[start:end].all()
+                taken.append(d.metadata["replies"][k])
+            else:  # a broken one: context only, and the environment rejected it
+                slips += 1
+                assert d.observations[k + 1] == FAMILY.invalid_action_message
+                broken, fixed = d.metadata["replies"][k], d.metadata["replies"][k + 1]
+                assert broken in (fixed.rpartition(" ")[0], f"{fixed} it")  # the next action, broken
+        assert taken == want
+    assert slips > 0
+    assert expert_trajectories(runner, ids, max_rounds=20, mistakes=0.5, seed=1)[0].tokens.tolist() == \
+        demos[0].tokens.tolist()  # seeded
