@@ -8,9 +8,10 @@ rollout (`scripted_trajectory`); the replies are written in the family's `reply_
 Recovery (`mistakes` > 0, DART-style): before each expert action, with that probability, a broken
 copy of it is played first (its last word dropped: `go`, `take`, `put cup in`), which the
 environment answers with its invalid-action message, and the expert then carries on (slips only
-where the round limit leaves room for them). The broken reply is context only (no loss), so the policy is taught what to do after a mistake, never the
-mistake; without it, a policy imitating a flawless expert has never seen the invalid-action
-message and tends to repeat the failed action until the round limit.
+where the round limit leaves room for them). The broken reply is context only (no loss), so the
+policy is taught what to do after a mistake, never the mistake; without it, a policy imitating a
+flawless expert has never seen the invalid-action message and tends to repeat the failed action
+until the round limit.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Sequence
 
 from cope_jax.rollout import RolloutRunner, scripted_trajectory
 from cope_jax.trajectory import Trajectory
+
 
 def _broken(action: str) -> str:
     head, _, _ = action.rpartition(" ")
