@@ -5,8 +5,9 @@ decayed by a cosine: 0.33 test success at T=1 instead of 0.16 at a constant rate
 action before 15% of the expert's actions, context only, so the policy learns to recover from the
 invalid-action message: 0.735 with seed 1; with seed 0 the warm-start loss stayed at ~0.3 and
 success at 0.18, while an earlier variant of the slips reached 0.665 with it, so the outcome is
-bimodal and the demo runs seed 1); stage 2 runs CoPE (GRPO + action forecasting) from there. Everything is local: the tokenizer is a small
-SentencePiece model trained on the environment's own text, the model is randomly initialised.
+bimodal and the demo runs seed 1); stage 2 runs CoPE (GRPO + action forecasting) from there.
+Everything is local: the tokenizer is a small SentencePiece model trained on the environment's own
+text, the model is randomly initialised.
 The paper's learning rate (1e-6) is for a 7B model; this tiny model uses 1e-4 (3e-4 raised the KL
 and lowered success within 10 steps). λ stays at the paper's 0.01: at 0.1 and 0.5 the forecasting
 term (a sum over an episode's steps, SPEC 3) dominated the clipped gradient (norm 3-20) and success

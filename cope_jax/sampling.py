@@ -36,7 +36,7 @@ def categorical(scaled: jax.Array, keys) -> jax.Array:
     Inverse CDF on one uniform number per row, in two levels: the cumulative mass of blocks of
     `_BLOCK` tokens picks a block, the cumulative mass inside it picks the token. Gumbel-max needs
     V random numbers per row instead, which dominated a sampled decode step over Qwen's 152k
-    vocabulary (~12 ms for 8 rows on this 2-core CPU, against ~1 ms for this).
+    vocabulary (12.6 ms for 8 rows on this 2-core CPU, against 0.5 ms for this).
     """
     R, V = scaled.shape
     nb = -(-V // _BLOCK)
