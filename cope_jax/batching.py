@@ -116,16 +116,73 @@ def trajectory_segments(trajectories: Sequence[Trajectory], advantages: np.ndarr
 
 def example_segments(examples: Sequence[ForecastExample], num_groups: int, cfg: LossConfig,
                      row_len: int, first_index: int = 0) -> list[Segment]:
-    """Forecasting-example rows with their AF weights; `num_groups` is the normalizer (losses)."""
-    segs = [truncate_left(Segment(tokens=e.tokens, index=first_index + j, target_mask=e.target_mask), row_len)
-            for j, e in enumerate(examples)]
-    targets = [_loss_mask(s.target_mask) for s in segs]
-    w = losses.forecast_token_weights(np.array([e.weight for e in examples], np.float32),
-                                      np.array([m.sum() for m in targets], np.float32),
+    """Forecasting-example rows with their AF weights; `num_groups` is the normalizer (losses).
+
+    Examples of one trajectory share its history (`ForecastExample.prefix_len`): they become tree
+    segments, the longest history once and every example's continuation as a branch of it
+    (`cope_jax/packing.py`), as many per segment as fit in a row. An example alone in its segment
+    is a plain sequence (cut from the left if it is too long).
+    """
+    bundles = forecast_bundles(examples, row_len)
+    segs = [_bundle_segment([examples[j] for j in b], first_index + i, row_len) for i, b in enumerate(bundles)]
+    masks = [[_loss_mask(m) for m in _branch_masks(s)] for s in segs]  # per segment, per example
+    w = losses.forecast_token_weights(np.array([examples[j].weight for b in bundles for j in b], np.float32),
+                                      np.array([m.sum() for ms in masks for m in ms], np.float32),
                                       num_groups, cfg.af_normalization)
-    for s, m, wt in zip(segs, targets, _spread(w, targets)):
-        s.target_mask, s.target_weight = m, wt
+    k = 0
+    for s, ms in zip(segs, masks):
+        s.target_weight = sum(w[k + i] * m for i, m in enumerate(ms)).astype(np.float32)
+        s.target_mask = np.logical_or.reduce(ms)
+        k += len(ms)
     return segs
+
+
+def forecast_bundles(examples: Sequence[ForecastExample], row_len: int) -> list[list[int]]:
+    """Indices of the examples packed together: one trajectory's, by increasing prefix length, as
+    long as the longest prefix plus every continuation fits in `row_len`."""
+    by_source: dict[int, list[int]] = {}
+    for j, e in enumerate(examples):
+        by_source.setdefault(e.source, []).append(j)
+    out = []
+    for members in by_source.values():
+        members.sort(key=lambda j: (examples[j].prefix_len, j))
+        bundle, size = [], 0
+        for j in members:
+            e = examples[j]
+            branch = len(e) - e.prefix_len
+            if bundle and e.prefix_len + size + branch > row_len:
+                out.append(bundle)
+                bundle, size = [], 0
+            bundle.append(j)
+            size += branch
+        out.append(bundle)
+    return out
+
+
+def _bundle_segment(bundle: list[ForecastExample], index: int, row_len: int) -> Segment:
+    if len(bundle) == 1:
+        e = bundle[0]
+        return truncate_left(Segment(tokens=e.tokens, index=index, target_mask=e.target_mask), row_len)
+    trunk = bundle[-1].tokens[:bundle[-1].prefix_len]
+    tokens, positions, branch_ids, targets = [trunk], [np.arange(len(trunk))], [np.zeros(len(trunk))], [
+        np.zeros(len(trunk), bool)]
+    for b, e in enumerate(bundle, start=1):
+        p = e.prefix_len
+        if not np.array_equal(e.tokens[:p], trunk[:p]):
+            raise ValueError(f"forecasting examples of trajectory {e.source} disagree on their shared history")
+        tokens.append(e.tokens[p:])
+        positions.append(p + np.arange(len(e) - p))
+        branch_ids.append(np.full(len(e) - p, b))
+        targets.append(e.target_mask[p:])
+    return Segment(tokens=np.concatenate(tokens), index=index, positions=np.concatenate(positions),
+                   branch_ids=np.concatenate(branch_ids), target_mask=np.concatenate(targets))
+
+
+def _branch_masks(seg: Segment) -> list[np.ndarray]:
+    """The target mask of each example in a segment (one per branch; the whole mask if none)."""
+    if not seg.branch_ids.any():
+        return [seg.target_mask]
+    return [seg.target_mask & (seg.branch_ids == b) for b in range(1, int(seg.branch_ids.max()) + 1)]
 
 
 def _af_groups(trajectories: Sequence[Trajectory], cfg: LossConfig) -> int:

@@ -2,7 +2,8 @@
 
 Every example starts from a *prefix of the recorded token ids* of a successful episode, the history
 up to and including observation o_t (everything before the generation prompt of action t), so the
-history is never re-tokenized. What follows depends on the kind:
+history is never re-tokenized, and examples of one episode share it (`prefix_len`: the train step
+packs their histories once, as one tree; `cope_jax/batching.py`). What follows depends on the kind:
 
 - 'plan' (CoPE): a user turn with the planning request of appendix C.6, then the realized actions
   a_t .. a_{t+K} as the target. ReAct layout: one assistant turn, one action per line. tau2 layout:
@@ -85,14 +86,17 @@ def build_examples(trajectories: Sequence[Trajectory], chat: ChatFormat,
                 continue
             if cfg.kind == "sft":
                 tokens, mask = _sft_example(traj, t, chat)
+                # the branch starts one token before the target, which it then predicts
+                shared = int(traj.action_spans[t][0]) - 1
             else:
                 window = [j for j in range(t, min(t + cfg.horizon + 1, traj.num_steps)) if keep[j]]
                 targets = [traj.actions[j] for j in window]
                 if cfg.skip_no_call and not any(TOOL_CALL_OPEN in a for a in targets):
                     continue
                 tokens, mask = _plan_example(traj, t, targets, chat, cfg.layout)
-            out.append(ForecastExample(tokens=tokens, target_mask=mask, weight=weight,
-                                       group_id=traj.group_id, source=index, step=t, kind=cfg.kind))
+                shared = len(history_prefix(traj, t, chat))
+            out.append(ForecastExample(tokens=tokens, target_mask=mask, weight=weight, group_id=traj.group_id,
+                                       source=index, step=t, kind=cfg.kind, prefix_len=max(shared, 0)))
     return out
 
 

@@ -6,8 +6,9 @@ hidden state at t - 1 of the same segment. `token_logprobs` returns values in *t
     logp[b, t] = log softmax(h[b, t-1] @ W^T / temperature)[tokens[b, t]]
     entropy[b, t] = entropy of that same distribution
 
-where segment_ids[b, t] == segment_ids[b, t-1] != 0, and 0 elsewhere (the first token of every
-segment and padding have no prediction). Masks such as `action_mask` (1 on sampled tokens) therefore
+where segment_ids[b, t] == segment_ids[b, t-1] != 0 (and, with `branch_ids`, the two tokens are
+in the same branch: see `models.qwen.attention_mask`), and 0 elsewhere (the first token of every
+segment or branch and padding have no prediction). Masks such as `action_mask` (1 on sampled tokens) therefore
 index `logp` directly.
 
 Memory: the chunked path scans over chunks of positions. Forward keeps, per token, only logp,
@@ -206,9 +207,9 @@ def full_predictor_logprobs(hidden, lm_head, next_tokens, *, temperature, with_e
     return logp, ent
 
 
-def token_logprobs(hidden, lm_head, tokens, segment_ids, *, temperature: float = 1.0,
+def token_logprobs(hidden, lm_head, tokens, segment_ids, *, branch_ids=None, temperature: float = 1.0,
                    chunk_tokens: int | None = 512, with_entropy: bool = True, mesh=None):
-    """hidden [B, T, E] (final-normed), lm_head [V, E], tokens/segment_ids [B, T] ->
+    """hidden [B, T, E] (final-normed), lm_head [V, E], tokens/segment_ids/branch_ids [B, T] ->
     (logp [B, T], entropy [B, T]) in token coordinates (module docstring). `chunk_tokens=None`
     materializes the full logits instead of chunking."""
     tokens = jnp.asarray(tokens)
@@ -217,5 +218,8 @@ def token_logprobs(hidden, lm_head, tokens, segment_ids, *, temperature: float =
     logp, ent = _predictor_logprobs(hidden, lm_head, next_tokens, temperature=temperature,
                                     chunk_tokens=chunk_tokens, with_entropy=with_entropy, mesh=mesh)
     valid = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] != 0)
+    if branch_ids is not None:
+        branch_ids = jnp.asarray(branch_ids)
+        valid &= branch_ids[:, 1:] == branch_ids[:, :-1]
     shift = lambda a: jnp.concatenate([jnp.zeros_like(a[:, :1]), jnp.where(valid, a[:, :-1], 0.0)], axis=1)
     return shift(logp), shift(ent)

@@ -3,8 +3,13 @@
 A `Segment` is one sequence (a rollout trajectory or a forecasting example) with all of its
 per-token training inputs. `pack` places segments into rows of length L by first-fit-decreasing;
 each row holds whole segments back to back, numbered 1, 2, ... by `segment_ids` (0 = padding), with
-RoPE positions restarting at 0 in every segment; the model never attends across segments, so a
-packed segment computes exactly what it would alone.
+each segment's own RoPE positions (by default 0, 1, ...); the model never attends across segments,
+so a packed segment computes exactly what it would alone.
+
+A segment may also be a *tree*: a trunk (`branch_ids` 0) followed by branches 1, 2, ... that each
+continue a prefix of the trunk (positions going on from the prefix length). Forecasting examples of
+one trajectory share its history this way, packed once instead of once per example
+(`cope_jax/batching.py` builds them; `models.qwen.attention_mask` gives the attention pattern).
 
 Sequences longer than L are cut from the left by `truncate_left` (the most recent context and all
 later tokens are kept), counted in `PackStats`; `pack` itself refuses an over-long segment, so
@@ -25,6 +30,7 @@ import numpy as np
 # per-token fields of Segment and PackedBatch, with their dtypes
 TOKEN_FIELDS: dict[str, type] = {
     "tokens": np.int32,
+    "branch_ids": np.int32,
     "action_mask": np.bool_,
     "obs_mask": np.bool_,
     "target_mask": np.bool_,
@@ -47,12 +53,15 @@ class Segment:
         the target cross-entropy (AF / RFT) and ECHO's observation cross-entropy (0 = no loss).
     old_logp / ref_logp: logprobs under the rollout and reference policies (filled by the
         forward-only functions of `cope_jax/train_step.py` after packing, or given directly).
+    branch_ids / positions: the tree layout (module docstring); default one branch, 0, 1, ...
     index: the sequence's index in its mini-batch (-> `traj_index`).
     truncated: tokens already cut from the left.
     """
 
     tokens: np.ndarray
     index: int
+    positions: np.ndarray | None = None
+    branch_ids: np.ndarray | None = None
     action_mask: np.ndarray | None = None
     obs_mask: np.ndarray | None = None
     target_mask: np.ndarray | None = None
@@ -73,6 +82,10 @@ class Segment:
             if arr.shape != (n,):
                 raise ValueError(f"segment {self.index}: {name} has shape {arr.shape}, tokens have ({n},)")
             setattr(self, name, arr)
+        positions = np.arange(n) if self.positions is None else np.asarray(self.positions)
+        if positions.shape != (n,):
+            raise ValueError(f"segment {self.index}: positions have shape {positions.shape}, tokens have ({n},)")
+        self.positions = positions.astype(np.int32, copy=False)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -84,9 +97,13 @@ def truncate_left(segment: Segment, max_len: int) -> Segment:
     n = len(segment)
     if n <= max_len:
         return segment
+    if segment.branch_ids.any():
+        raise ValueError(f"segment {segment.index} has branches and is longer than {max_len} tokens; "
+                         "tree segments must be built to fit a row")
     cut = n - max_len
     fields = {name: getattr(segment, name)[cut:].copy() for name in TOKEN_FIELDS}
-    return Segment(index=segment.index, truncated=segment.truncated + cut, **fields)
+    return Segment(index=segment.index, truncated=segment.truncated + cut,
+                   positions=segment.positions[cut:] - segment.positions[cut], **fields)
 
 
 @flax.struct.dataclass
@@ -94,11 +111,13 @@ class PackedBatch:
     """Packed rows: every field is [rows, L] (or [micro, rows, L] after `split_micro`).
 
     segment_ids: int32, 1.. per segment within a row, 0 = padding. positions: int32 RoPE positions.
+    branch_ids: int32, 0 = a segment's trunk, 1.. its branches (module docstring).
     traj_index: int32 index of the segment's sequence in the mini-batch, -1 on padding.
     The rest as in `Segment`.
     """
 
     tokens: jax.Array
+    branch_ids: jax.Array
     segment_ids: jax.Array
     positions: jax.Array
     traj_index: jax.Array
@@ -187,7 +206,7 @@ def pack(segments: list[Segment], row_len: int, *, rows_multiple: int = 1,
             for name in TOKEN_FIELDS:
                 out[name][r, start:end] = getattr(seg, name)
             out["segment_ids"][r, start:end] = seg_id
-            out["positions"][r, start:end] = np.arange(len(seg), dtype=np.int32)
+            out["positions"][r, start:end] = seg.positions
             out["traj_index"][r, start:end] = seg.index
             start = end
     stats = PackStats(rows=rows, row_len=row_len, sequences=len(segments),

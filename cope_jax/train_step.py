@@ -94,8 +94,9 @@ TERM_FNS = {
 
 def model_logprobs(model, batch: PackedBatch, cfg: LossConfig, *, with_entropy: bool, mesh=None):
     """One micro-batch [rows, L] -> (logp, entropy) [rows, L] in token coordinates."""
-    hidden = model.hidden_states(batch.tokens, batch.positions, batch.segment_ids)
+    hidden = model.hidden_states(batch.tokens, batch.positions, batch.segment_ids, batch.branch_ids)
     return lp.token_logprobs(hidden, model.lm_head_weight(), batch.tokens, batch.segment_ids,
+                             branch_ids=batch.branch_ids,
                              temperature=cfg.temperature, chunk_tokens=cfg.logits_chunk_tokens,
                              with_entropy=with_entropy, mesh=mesh)
 
@@ -133,11 +134,15 @@ def loss_and_grads(model, batch: PackedBatch, coefs: dict, cfg: LossConfig, *, w
 
     grad_fn = jax.value_and_grad(one, has_aux=True)
 
-    def body(carry, mb):
+    def accumulate(carry, mb):
         grads, sums = carry
         (_, metrics), g = grad_fn(params, mb)
         grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
-        return (grads, jax.tree.map(jnp.add, sums, metrics)), None
+        return grads, jax.tree.map(jnp.add, sums, metrics)
+
+    def body(carry, mb):
+        # micro-batches of padding (a mini-batch padded to a compiled size) cost nothing
+        return jax.lax.cond(jnp.any(mb.segment_ids > 0), accumulate, lambda c, _: c, carry, mb), None
 
     like_params = functools.partial(_like_params, mesh=mesh)
     zeros = like_params(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))

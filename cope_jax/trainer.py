@@ -305,7 +305,8 @@ class Trainer:
 
 def _bucketed(minibatches):
     """Pads each mini-batch to a power-of-two number of micro-batches, so a run compiles the step
-    for a handful of shapes instead of one per distinct batch size."""
+    for a handful of shapes instead of one per distinct batch size (the step skips the padding
+    micro-batches: `train_step.loss_and_grads`)."""
     for mb in minibatches:
         n = mb.batch.num_micro
         mb.batch = pad_micro(mb.batch, 1 << (n - 1).bit_length())

@@ -109,6 +109,9 @@ class ForecastExample:
     source:      index of the source trajectory in the train batch it was built from.
     step:        the action step t whose history the example starts from.
     kind:        how it was built ('plan' = CoPE forecasting, 'sft' = success-filtered imitation).
+    prefix_len:  tokens[:prefix_len] are the source trajectory's first tokens, shared with its other
+                 examples (packed once, `cope_jax/batching.py`); no target among them or right
+                 after them (the first token past a shared prefix has no prediction in a packed tree).
     """
 
     tokens: np.ndarray
@@ -118,6 +121,7 @@ class ForecastExample:
     source: int
     step: int
     kind: str = "plan"
+    prefix_len: int = 0
 
     def __post_init__(self):
         self.tokens = np.asarray(self.tokens, np.int32)
@@ -128,6 +132,11 @@ class ForecastExample:
         if not np.isfinite(self.weight) or self.weight < 0:
             raise ValueError(f"weight must be finite and >= 0, got {self.weight}")
         self.group_id = int(self.group_id)
+        self.prefix_len = int(self.prefix_len)
+        if not 0 <= self.prefix_len < len(self.tokens):
+            raise ValueError(f"prefix_len {self.prefix_len} outside [0, {len(self.tokens)})")
+        if self.prefix_len and self.target_mask[:self.prefix_len + 1].any():
+            raise ValueError(f"a target within the shared prefix (or right after it, at {self.prefix_len})")
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -8,7 +8,8 @@ Layout decisions:
   dimension has a logical axis name for sharding (`PARAM_AXES`).
 - One forward serves three callers:
   `__call__(tokens, positions, segment_ids)` for padded or packed rows (segment id 0 = padding; no
-  attention across segments), `hidden_states` + `unembed` for the chunked-vocab train step, and
+  attention across segments), `hidden_states` + `unembed` for the chunked-vocab train step (which
+  also takes `branch_ids`: sequences sharing a prefix packed once, see `attention_mask`), and
   `decode(tokens, num_new, cache)` for the sampler's KV cache (prefill, decode and multi-turn
   extension are all "append `num_new[b]` tokens to row b").
 """
@@ -146,20 +147,19 @@ class Qwen(nnx.Module):
         """tokens [B, T] -> float32 logits [B, T, V]."""
         return self.unembed(self.hidden_states(tokens, positions, segment_ids))
 
-    def hidden_states(self, tokens, positions=None, segment_ids=None) -> jax.Array:
+    def hidden_states(self, tokens, positions=None, segment_ids=None, branch_ids=None) -> jax.Array:
         """Final-norm hidden states [B, T, E] of padded or packed rows.
 
         segment_ids [B, T]: tokens attend only to earlier tokens of the same segment; 0 marks
         padding. positions [B, T]: RoPE positions; default restarts at 0 in every segment run.
+        branch_ids [B, T]: optional prefix sharing inside segments (`attention_mask`).
         """
         tokens = jnp.asarray(tokens)
         if segment_ids is None:
             segment_ids = jnp.ones(tokens.shape, jnp.int32)
         if positions is None:
             positions = positions_from_segments(segment_ids)
-        same = segment_ids[:, :, None] == segment_ids[:, None, :]
-        idx = jnp.arange(tokens.shape[1])
-        mask = same & (idx[:, None] >= idx[None, :])[None]
+        mask = attention_mask(segment_ids, positions, branch_ids)
         x, _ = self._run_layers(tokens, positions, mask, cache=None)
         return x
 
@@ -364,6 +364,32 @@ def apply_rope(x, cos, sin) -> jax.Array:
     x1, x2 = jnp.split(x32, 2, axis=-1)
     rotated = x32 * cos[:, :, None, :] + jnp.concatenate([-x2, x1], axis=-1) * sin[:, :, None, :]
     return rotated.astype(x.dtype)
+
+
+def attention_mask(segment_ids, positions, branch_ids=None) -> jax.Array:
+    """[B, T] each -> bool [B, T, T]: whether token i (axis 1) attends to token j (axis 2).
+
+    Causal within a segment. With `branch_ids`, a segment is a *trunk* (branch 0) followed by
+    branches 1, 2, ...: each branch is a continuation of a prefix of the trunk, its positions going
+    on from the prefix length, and it attends to the trunk tokens before its first position and to
+    its own earlier tokens, never to other branches. So sequences that share a prefix (forecasting
+    examples of one trajectory) compute exactly what they would alone, with the prefix packed once.
+    """
+    segment_ids, positions = jnp.asarray(segment_ids), jnp.asarray(positions)
+    idx = jnp.arange(segment_ids.shape[1])
+    mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (idx[:, None] >= idx[None, :])[None]
+    if branch_ids is None:
+        return mask
+    branch_ids = jnp.asarray(branch_ids)
+    # first position of each token's (segment, branch) run: how much of the trunk a branch sees
+    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
+                              (segment_ids[:, 1:] != segment_ids[:, :-1]) | (branch_ids[:, 1:] != branch_ids[:, :-1])],
+                             axis=1)
+    run_start = jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+    first_pos = jnp.take_along_axis(positions, run_start, axis=1)
+    same_branch = branch_ids[:, :, None] == branch_ids[:, None, :]
+    trunk_prefix = (branch_ids[:, None, :] == 0) & (positions[:, None, :] < first_pos[:, :, None])
+    return mask & (same_branch | trunk_prefix)
 
 
 def positions_from_segments(segment_ids) -> jax.Array:

@@ -82,6 +82,7 @@ def test_react_targets_and_clamping(K, t, expected):
     np.testing.assert_array_equal(ex.tokens[:len(prefix)], prefix)
     assert TOK.decode(prefix).endswith(f"obs {t}{IM_END}\n")
     assert not ex.target_mask[:len(prefix)].any()
+    assert ex.prefix_len == len(prefix)  # what the train step packs once per episode
 
 
 def test_loss_only_on_the_target_turn():

@@ -66,6 +66,28 @@ def test_packed_rows_equal_sequences_alone(tiny):
         start += len(s)
 
 
+def test_branches_see_their_prefix_of_the_trunk_only(tiny):
+    """A tree segment (trunk + branches continuing its prefixes) computes each branch as the
+    sequence prefix + branch would alone; the trunk is unaffected by its branches."""
+    _, _, model, cfg = tiny
+    trunk = RNG.randint(0, cfg.vocab_size, 12)
+    branches = [(5, RNG.randint(0, cfg.vocab_size, 4)), (9, RNG.randint(0, cfg.vocab_size, 3)),
+                (5, RNG.randint(0, cfg.vocab_size, 2))]
+    tokens = np.concatenate([RNG.randint(0, cfg.vocab_size, 3), trunk] + [b for _, b in branches] + [[0, 0]])
+    seg = np.r_[[1] * 3, [2] * (len(tokens) - 5), [0, 0]]
+    branch_ids = np.r_[[0] * 15, np.concatenate([np.full(len(b), i + 1) for i, (_, b) in enumerate(branches)]),
+                       [0, 0]]
+    pos = np.r_[np.arange(3), np.arange(12), np.concatenate([p + np.arange(len(b)) for p, b in branches]), [0, 0]]
+    packed = np.asarray(nnx.jit(lambda m, t, s, p, b: m.unembed(m.hidden_states(t, p, s, b)))(
+        model, *(jnp.asarray(a[None], jnp.int32) for a in (tokens, seg, pos, branch_ids))))[0]
+    np.testing.assert_allclose(packed[3:15], _forward(model, trunk[None])[0], atol=2e-5, rtol=0)
+    start = 15
+    for p, b in branches:
+        alone = _forward(model, np.concatenate([trunk[:p], b])[None])[0]
+        np.testing.assert_allclose(packed[start:start + len(b)], alone[p:], atol=2e-5, rtol=0)
+        start += len(b)
+
+
 def test_scanned_looped_and_remat_are_identical(tiny):
     directory, _, model, cfg = tiny
     looped, _ = models.load_hf_model(directory, scan_layers=False)

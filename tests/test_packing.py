@@ -56,6 +56,47 @@ def test_truncation_is_left_and_recorded():
         packing.pack([seg], 8)
 
 
+def _example(source, prefix, branch, n_target=2):
+    tokens = np.r_[prefix, branch]
+    mask = np.r_[np.zeros(len(tokens) - n_target), np.ones(n_target)]
+    return ForecastExample(tokens=tokens, target_mask=mask, weight=0.5, group_id=source, source=source, step=0,
+                           prefix_len=len(prefix))
+
+
+def test_forecasting_examples_of_one_episode_share_their_history():
+    rng = np.random.RandomState(1)
+    history, other = rng.randint(1, 100, 30), rng.randint(1, 100, 20)
+    exs = [_example(0, history[:20], [7, 8, 9, 10]), _example(1, other[:12], [5, 6, 7]),
+           _example(0, history[:12], [1, 2, 3]), _example(0, history[:28], [4, 5, 6, 7, 8])]
+    # by prefix length, while the longest prefix + all branches fit: 20 + 3 + 4 = 27, then 28 + 5
+    assert batching.forecast_bundles(exs, 32) == [[2, 0], [3], [1]]
+    assert batching.forecast_bundles(exs, 40) == [[2, 0, 3], [1]]
+    cfg = methods.LossConfig(af_normalization="paper_exact")
+    segs = batching.example_segments(exs, 2, cfg, 40)
+    tree = segs[0]
+    # one trunk (the longest history), then each example's continuation at its own positions
+    np.testing.assert_array_equal(tree.tokens, np.r_[history[:28], [1, 2, 3], [7, 8, 9, 10], [4, 5, 6, 7, 8]])
+    np.testing.assert_array_equal(tree.branch_ids, np.r_[[0] * 28, [1] * 3, [2] * 4, [3] * 5])
+    np.testing.assert_array_equal(tree.positions, np.r_[np.arange(28), 12 + np.arange(3), 20 + np.arange(4),
+                                                         28 + np.arange(5)])
+    assert tree.target_mask.sum() == 6 and not tree.target_mask[:28].any()
+    # the same per-example weights as if each example were packed alone
+    flat = [batching.example_segments([e], 2, cfg, 40)[0] for e in exs]
+    assert tree.target_weight.sum() == pytest.approx(sum(f.target_weight.sum() for i, f in enumerate(flat) if i != 1))
+    np.testing.assert_array_equal(segs[1].tokens, exs[1].tokens)  # alone: a plain sequence
+    assert not segs[1].branch_ids.any()
+    batch, stats = packing.pack(segs, 40)
+    assert stats.tokens == 28 + 12 + 15 and stats.rows == 2
+    with pytest.raises(ValueError, match="built to fit"):
+        packing.truncate_left(tree, 30)
+    bad = exs[:3] + [_example(0, np.r_[history[:10], [99] * 18], [4, 5, 6])]
+    with pytest.raises(ValueError, match="disagree on their shared history"):
+        batching.example_segments(bad, 2, cfg, 40)
+    with pytest.raises(ValueError, match="shared prefix"):
+        ForecastExample(tokens=np.arange(6), target_mask=[0, 0, 0, 1, 1, 0], weight=1, group_id=0, source=0,
+                        step=0, prefix_len=3)
+
+
 def test_split_and_pad_micro():
     batch, _ = packing.pack([_segment(n, i) for i, n in enumerate([6, 6, 6])], 8, rows_multiple=2)
     micro = packing.split_micro(batch, 2)

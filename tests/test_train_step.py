@@ -47,12 +47,13 @@ def _dataset():
     w = forecast_weights([t.success for t in trajs], [t.group_id for t in trajs])
     exs = []
     for i, t in enumerate(trajs):
-        if t.success:
+        # 1-3 examples per successful trajectory, sharing its history (packed as one tree)
+        for step in range(t.success * (1 + i % 3)):
             cut, n_target = rng.randint(8, 20), rng.randint(3, 6)
             tokens = np.concatenate([t.tokens[:cut], rng.randint(1, 64, 3 + n_target)])
             mask = np.r_[np.zeros(cut + 3), np.ones(n_target)]
             exs.append(ForecastExample(tokens=tokens, target_mask=mask, weight=w[i], group_id=t.group_id,
-                                       source=i, step=0))
+                                       source=i, step=step, prefix_len=cut))
     return trajs, exs
 
 
@@ -158,10 +159,11 @@ def packed_loss_and_grads(params, batch, terms, cfg=LOSS):
 
 
 def _fill(batch, name, per_sequence, index_to_seq):
-    """Writes per-sequence token values into the packed rows via traj_index / positions."""
+    """Writes per-sequence token values into the packed trajectory rows via traj_index / positions
+    (forecasting rows, which no old / reference logprob reaches, keep theirs)."""
     out = np.array(getattr(batch, name))
     idx, pos = np.asarray(batch.traj_index), np.asarray(batch.positions)
-    for k in np.unique(idx[idx >= 0]):
+    for k in np.unique(idx[(idx >= 0) & (idx < len(index_to_seq))]):
         sel = idx == k
         out[sel] = per_sequence[index_to_seq[k]][pos[sel]]
     return batch.replace(**{name: out})
@@ -193,9 +195,8 @@ def _packed(spec, cfg, old, ref, trajs=TRAJS, examples=EXAMPLES, row_len=ROW_LEN
         ex_ids = [EXAMPLES.index(e) for e in exs if e.group_id in members] if "af" in mb.terms else []
         if mb.terms == ("af",):
             kept, ex_ids = [], [EXAMPLES.index(e) for e in exs]
-        index_to_seq = kept + [len(TRAJS) + j for j in ex_ids]
         b = mb.batch if micro is None else pad_micro(mb.batch, micro)
-        b = _fill(_fill(b, "old_logp", old, index_to_seq), "ref_logp", ref, index_to_seq)
+        b = _fill(_fill(b, "old_logp", old, kept), "ref_logp", ref, kept)
         out.append((b, mb.terms, kept, ex_ids))
     return out
 
@@ -282,6 +283,7 @@ def test_packing_and_micro_batching_invariance(setup):
     longer = _packed(spec, LOSS, old, ref, row_len=2 * ROW_LEN, rows=1, micro=None)[0][0]
     variants = [reordered, _regroup_rows(base, 0), longer]
     assert not np.array_equal(reordered.tokens, base.tokens)
+    assert (np.asarray(base.branch_ids) >= 2).any()  # forecasting examples packed as trees
     # fewer, longer rows, one per micro-batch: every micro-batch holds a different token set
     assert longer.shape[1:] == (1, 2 * ROW_LEN) and longer.num_micro * 2 * ROW_LEN < base.tokens.size
     want_loss, want_grads, _ = packed_loss_and_grads(params, base, terms)
@@ -345,10 +347,11 @@ def test_af_modes_joint_and_sequential(setup):
     coef = reference_coefficients(spec, LOSS, kept, ex_ids)
     want, _, _ = reference_loss_and_grads(params0, jnp.asarray(coef, jnp.float32), adv_seq, lp0, lp0)
     np.testing.assert_allclose(metrics[0]["loss"], float(want), rtol=1e-5)
-    # the packed forward-only logp equals the reference logp on every real token
-    packed = _fill(mbs[0].batch.replace(old_logp=np.zeros_like(logp)), "old_logp", lp0,
-                   kept + [len(TRAJS) + j for j in ex_ids])
-    real = np.asarray(packed.segment_ids) > 0
+    # the packed forward-only logp equals the reference logp on every trajectory token
+    packed = _fill(mbs[0].batch.replace(old_logp=np.zeros_like(logp)), "old_logp", lp0, kept)
+    index = np.asarray(packed.traj_index)
+    real = (index >= 0) & (index < len(kept))
+    assert real.sum() == sum(len(TRAJS[i]) for i in kept)
     np.testing.assert_allclose(logp[real], np.asarray(packed.old_logp)[real], atol=2e-5)
 
     # sequential: the GRPO mini-batches, then one AF step on every example with the same AdamW state
