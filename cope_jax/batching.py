@@ -7,7 +7,9 @@ loss terms its optimizer step uses:
 - The train batch is split into PPO mini-batches of whole rollout groups (`groups_per_minibatch`
   tasks' worth; SPEC 2, Table 9), one optimizer step each.
 - `af_mode='joint'` (default): a group's forecasting examples ride in its mini-batch and the step
-  minimizes L_GRPO + lambda L_AF at once; the AF normalizer counts the mini-batch's groups.
+  minimizes L_GRPO + lambda L_AF at once; the AF normalizer counts the mini-batch's groups. The
+  examples hang as branches on their own trajectory's row where it has room (`example_segments`),
+  so the shared history is computed once for both losses.
 - `af_mode='sequential'`: the GRPO mini-batches carry only the policy terms, then one more
   mini-batch holds every forecasting example of the train batch (normalizer over all its groups)
   and is optimized alone, with the same AdamW state (what the authors' released code does).
@@ -27,7 +29,8 @@ import numpy as np
 from cope_jax import advantages as adv_lib
 from cope_jax import losses
 from cope_jax.methods import POLICY_TERMS, LossConfig, MethodSpec
-from cope_jax.packing import PackedBatch, PackStats, Segment, concat_rows, pack, split_micro, truncate_left
+from cope_jax.packing import (TOKEN_FIELDS, PackedBatch, PackStats, Segment, concat_rows, pack, split_micro,
+                              truncate_left)
 from cope_jax.trajectory import ForecastExample, Trajectory
 
 
@@ -115,39 +118,70 @@ def trajectory_segments(trajectories: Sequence[Trajectory], advantages: np.ndarr
 
 
 def example_segments(examples: Sequence[ForecastExample], num_groups: int, cfg: LossConfig,
-                     row_len: int, first_index: int = 0) -> list[Segment]:
+                     row_len: int, first_index: int = 0,
+                     trunks: dict[int, Segment] | None = None) -> list[Segment]:
     """Forecasting-example rows with their AF weights; `num_groups` is the normalizer (losses).
 
-    Examples of one trajectory share its history (`ForecastExample.prefix_len`): they become tree
-    segments, the longest history once and every example's continuation as a branch of it
-    (`cope_jax/packing.py`), as many per segment as fit in a row. An example alone in its segment
-    is a plain sequence (cut from the left if it is too long).
+    Examples of one trajectory share its history (`ForecastExample.prefix_len`), so they are packed
+    as trees (`cope_jax/packing.py`): each example's continuation is a branch of a trunk holding the
+    history. `trunks` maps a source trajectory to its own (policy) segment in the same mini-batch:
+    its examples hang on it while the row has room, costing only their continuations. The others
+    share a trunk copy of the longest history they need, as many per segment as fit in a row; an
+    example alone is a plain sequence (cut from the left if it is too long). Returns the new
+    segments (trunks are extended in place).
     """
-    bundles = forecast_bundles(examples, row_len)
-    segs = [_bundle_segment([examples[j] for j in b], first_index + i, row_len) for i, b in enumerate(bundles)]
-    masks = [[_loss_mask(m) for m in _branch_masks(s)] for s in segs]  # per segment, per example
-    w = losses.forecast_token_weights(np.array([examples[j].weight for b in bundles for j in b], np.float32),
-                                      np.array([m.sum() for ms in masks for m in ms], np.float32),
+    trunks = {k: v for k, v in (trunks or {}).items() if not v.truncated and not v.branch_ids.any()}
+    placed: list[tuple[Segment, list[int]]] = []  # (segment, the examples on its branches)
+    rest = []
+    for source, members in _by_source(examples).items():
+        trunk = trunks.get(source)
+        if trunk is not None:
+            room, on = row_len - len(trunk), []
+            for j in members:
+                branch = len(examples[j]) - examples[j].prefix_len
+                if examples[j].prefix_len and branch <= room:
+                    on.append(j)
+                    room -= branch
+            if on:
+                _add_branches(trunk, [examples[j] for j in on])
+                placed.append((trunk, on))
+            members = [j for j in members if j not in on]
+        rest += members
+    new = []
+    for bundle in forecast_bundles([examples[j] for j in rest], row_len):
+        bundle = [rest[j] for j in bundle]
+        seg = _bundle_segment([examples[j] for j in bundle], first_index + len(new), row_len)
+        new.append(seg)
+        placed.append((seg, bundle))
+    masks = [_loss_mask(m) for seg, _ in placed for m in _branch_masks(seg)]
+    order = [j for _, members in placed for j in members]
+    w = losses.forecast_token_weights(np.array([examples[j].weight for j in order], np.float32),
+                                      np.array([m.sum() for m in masks], np.float32),
                                       num_groups, cfg.af_normalization)
-    k = 0
-    for s, ms in zip(segs, masks):
-        s.target_weight = sum(w[k + i] * m for i, m in enumerate(ms)).astype(np.float32)
-        s.target_mask = np.logical_or.reduce(ms)
-        k += len(ms)
-    return segs
+    segs = [seg for seg, members in placed for _ in members]
+    for seg, weight, mask in zip(segs, w, masks):
+        seg.target_weight = seg.target_weight + np.float32(weight) * mask
+        seg.target_mask = seg.target_mask | mask
+    return new
+
+
+def _by_source(examples: Sequence[ForecastExample]) -> dict[int, list[int]]:
+    """Example indices per source trajectory, each list by increasing prefix length."""
+    out: dict[int, list[int]] = {}
+    for j, e in enumerate(examples):
+        out.setdefault(e.source, []).append(j)
+    return {k: sorted(v, key=lambda j: (examples[j].prefix_len, j)) for k, v in out.items()}
 
 
 def forecast_bundles(examples: Sequence[ForecastExample], row_len: int) -> list[list[int]]:
     """Indices of the examples packed together: one trajectory's, by increasing prefix length, as
-    long as the longest prefix plus every continuation fits in `row_len`."""
-    by_source: dict[int, list[int]] = {}
-    for j, e in enumerate(examples):
-        by_source.setdefault(e.source, []).append(j)
+    long as the longest prefix plus every continuation fits in `row_len` (an example without a
+    shared prefix is alone)."""
     out = []
-    for members in by_source.values():
-        members.sort(key=lambda j: (examples[j].prefix_len, j))
+    for members in _by_source(examples).values():
+        out += [[j] for j in members if not examples[j].prefix_len]
         bundle, size = [], 0
-        for j in members:
+        for j in (j for j in members if examples[j].prefix_len):
             e = examples[j]
             branch = len(e) - e.prefix_len
             if bundle and e.prefix_len + size + branch > row_len:
@@ -155,7 +189,8 @@ def forecast_bundles(examples: Sequence[ForecastExample], row_len: int) -> list[
                 bundle, size = [], 0
             bundle.append(j)
             size += branch
-        out.append(bundle)
+        if bundle:
+            out.append(bundle)
     return out
 
 
@@ -163,19 +198,31 @@ def _bundle_segment(bundle: list[ForecastExample], index: int, row_len: int) -> 
     if len(bundle) == 1:
         e = bundle[0]
         return truncate_left(Segment(tokens=e.tokens, index=index, target_mask=e.target_mask), row_len)
-    trunk = bundle[-1].tokens[:bundle[-1].prefix_len]
-    tokens, positions, branch_ids, targets = [trunk], [np.arange(len(trunk))], [np.zeros(len(trunk))], [
-        np.zeros(len(trunk), bool)]
-    for b, e in enumerate(bundle, start=1):
-        p = e.prefix_len
-        if not np.array_equal(e.tokens[:p], trunk[:p]):
-            raise ValueError(f"forecasting examples of trajectory {e.source} disagree on their shared history")
-        tokens.append(e.tokens[p:])
-        positions.append(p + np.arange(len(e) - p))
-        branch_ids.append(np.full(len(e) - p, b))
-        targets.append(e.target_mask[p:])
-    return Segment(tokens=np.concatenate(tokens), index=index, positions=np.concatenate(positions),
-                   branch_ids=np.concatenate(branch_ids), target_mask=np.concatenate(targets))
+    seg = Segment(tokens=bundle[-1].tokens[:bundle[-1].prefix_len], index=index)
+    _add_branches(seg, bundle)
+    return seg
+
+
+def _add_branches(seg: Segment, examples: list[ForecastExample]) -> None:
+    """Appends each example's continuation to `seg` as a new branch of its trunk (branch 0)."""
+    trunk = seg.tokens[seg.branch_ids == 0]
+    parts = {name: [getattr(seg, name)] for name in TOKEN_FIELDS}
+    positions = [seg.positions]
+    first = int(seg.branch_ids.max(initial=0)) + 1
+    for b, e in enumerate(examples, start=first):
+        p, n = e.prefix_len, len(e) - e.prefix_len
+        if p > len(trunk) or not np.array_equal(e.tokens[:p], trunk[:p]):
+            raise ValueError(f"forecasting example of trajectory {e.source} (step {e.step}) does not continue "
+                             "the history it is packed with")
+        for name, dtype in TOKEN_FIELDS.items():
+            parts[name].append(np.zeros(n, dtype))
+        parts["tokens"][-1] = e.tokens[p:]
+        parts["branch_ids"][-1] = np.full(n, b, np.int32)
+        parts["target_mask"][-1] = e.target_mask[p:]
+        positions.append(p + np.arange(n, dtype=np.int32))
+    for name, arrays in parts.items():
+        setattr(seg, name, np.concatenate(arrays).astype(TOKEN_FIELDS[name], copy=False))
+    seg.positions = np.concatenate(positions)
 
 
 def _branch_masks(seg: Segment) -> list[np.ndarray]:
@@ -235,7 +282,8 @@ def build_minibatches(trajectories: Sequence[Trajectory], examples: Sequence[For
         exs = [e for e in examples if e.group_id in members] if joint else []
         if exs:
             in_groups = [t for t in trajectories if t.group_id in members]
-            segs += example_segments(exs, _af_groups(in_groups, cfg), cfg, row_len, first_index=len(trajs))
+            segs += example_segments(exs, _af_groups(in_groups, cfg), cfg, row_len, first_index=len(trajs),
+                                     trunks=dict(zip(idx, segs)))
         if any(s.pg_weight.any() or s.target_weight.any() or s.obs_weight.any() for s in segs):
             out.append(_pack(segs, step_terms, groups, len(trajs), len(exs), row_len, rows_per_micro))
     if not joint and examples:

@@ -1,4 +1,6 @@
 """Packing, truncation, the data records and mini-batch assembly (host side, numpy only)."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -71,6 +73,8 @@ def test_forecasting_examples_of_one_episode_share_their_history():
     # by prefix length, while the longest prefix + all branches fit: 20 + 3 + 4 = 27, then 28 + 5
     assert batching.forecast_bundles(exs, 32) == [[2, 0], [3], [1]]
     assert batching.forecast_bundles(exs, 40) == [[2, 0, 3], [1]]
+    unshared = [dataclasses.replace(e, prefix_len=0) for e in exs]  # nothing shared: each alone
+    assert batching.forecast_bundles(unshared, 40) == [[0], [2], [3], [1]]
     cfg = methods.LossConfig(af_normalization="paper_exact")
     segs = batching.example_segments(exs, 2, cfg, 40)
     tree = segs[0]
@@ -90,11 +94,20 @@ def test_forecasting_examples_of_one_episode_share_their_history():
     with pytest.raises(ValueError, match="built to fit"):
         packing.truncate_left(tree, 30)
     bad = exs[:3] + [_example(0, np.r_[history[:10], [99] * 18], [4, 5, 6])]
-    with pytest.raises(ValueError, match="disagree on their shared history"):
+    with pytest.raises(ValueError, match="does not continue the history"):
         batching.example_segments(bad, 2, cfg, 40)
     with pytest.raises(ValueError, match="shared prefix"):
         ForecastExample(tokens=np.arange(6), target_mask=[0, 0, 0, 1, 1, 0], weight=1, group_id=0, source=0,
                         step=0, prefix_len=3)
+    # with its trajectory's own row as the trunk: the examples that fit hang on it, the rest share a copy
+    traj = packing.Segment(tokens=history, index=0, pg_weight=np.full(30, 0.1))
+    segs = batching.example_segments(exs, 2, cfg, 40, first_index=1, trunks={0: traj})
+    assert len(traj) == 30 + 3 + 4 and traj.branch_ids.max() == 2  # prefixes 12 and 20 fit, 28 + 5 did not
+    np.testing.assert_array_equal(traj.tokens[30:], [1, 2, 3, 7, 8, 9, 10])
+    assert traj.pg_weight[30:].sum() == 0 and traj.target_weight[:30].sum() == 0
+    assert [len(s) for s in segs] == [len(exs[3]), len(exs[1])] and [s.index for s in segs] == [1, 2]
+    total = traj.target_weight.sum() + sum(s.target_weight.sum() for s in segs)
+    assert total == pytest.approx(sum(f.target_weight.sum() for f in flat))
 
 
 def test_split_and_pad_micro():

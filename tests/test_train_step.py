@@ -182,6 +182,12 @@ def setup():
     return model, params, old, ref
 
 
+def _example_id(example):
+    """Index in EXAMPLES of an example or of a copy of it (another `source` numbering)."""
+    return next(j for j, e in enumerate(EXAMPLES)
+                if e.step == example.step and e.group_id == example.group_id and np.array_equal(e.tokens, example.tokens))
+
+
 def _packed(spec, cfg, old, ref, trajs=TRAJS, examples=EXAMPLES, row_len=ROW_LEN, rows=ROWS, micro=MICRO,
             groups_per_minibatch=len(SUCCESS)):
     exs = list(examples) if spec.forecast else []
@@ -192,9 +198,9 @@ def _packed(spec, cfg, old, ref, trajs=TRAJS, examples=EXAMPLES, row_len=ROW_LEN
         members = set(mb.groups)
         kept = [TRAJS.index(t) for t in trajs
                 if t.group_id in members and (spec.trajectories == "all" or t.success)]
-        ex_ids = [EXAMPLES.index(e) for e in exs if e.group_id in members] if "af" in mb.terms else []
+        ex_ids = [_example_id(e) for e in exs if e.group_id in members] if "af" in mb.terms else []
         if mb.terms == ("af",):
-            kept, ex_ids = [], [EXAMPLES.index(e) for e in exs]
+            kept, ex_ids = [], [_example_id(e) for e in exs]
         b = mb.batch if micro is None else pad_micro(mb.batch, micro)
         b = _fill(_fill(b, "old_logp", old, kept), "ref_logp", ref, kept)
         out.append((b, mb.terms, kept, ex_ids))
@@ -279,11 +285,17 @@ def test_packing_and_micro_batching_invariance(setup):
     _, params, old, ref = setup
     spec = methods.get_method("cope")
     base, terms, _, _ = _packed(spec, LOSS, old, ref)[0]
-    reordered = _packed(spec, LOSS, old, ref, trajs=TRAJS[::-1], examples=EXAMPLES[::-1])[0][0]
+    flipped = [dataclasses.replace(e, source=len(TRAJS) - 1 - e.source) for e in EXAMPLES[::-1]]
+    reordered = _packed(spec, LOSS, old, ref, trajs=TRAJS[::-1], examples=flipped)[0][0]
     longer = _packed(spec, LOSS, old, ref, row_len=2 * ROW_LEN, rows=1, micro=None)[0][0]
     variants = [reordered, _regroup_rows(base, 0), longer]
     assert not np.array_equal(reordered.tokens, base.tokens)
     assert (np.asarray(base.branch_ids) >= 2).any()  # forecasting examples packed as trees
+    rows = [(r, s) for r in zip(*(np.asarray(a).reshape(-1, ROW_LEN) for a in (base.segment_ids, base.branch_ids,
+                                                                              base.pg_weight)))
+            for s in set(r[0]) - {0}]
+    # some hang on their own trajectory's row: one segment with policy tokens and branches
+    assert any((r[1][r[0] == s] > 0).any() and (r[2][r[0] == s] > 0).any() for r, s in rows)
     # fewer, longer rows, one per micro-batch: every micro-batch holds a different token set
     assert longer.shape[1:] == (1, 2 * ROW_LEN) and longer.num_micro * 2 * ROW_LEN < base.tokens.size
     want_loss, want_grads, _ = packed_loss_and_grads(params, base, terms)
@@ -350,7 +362,7 @@ def test_af_modes_joint_and_sequential(setup):
     # the packed forward-only logp equals the reference logp on every trajectory token
     packed = _fill(mbs[0].batch.replace(old_logp=np.zeros_like(logp)), "old_logp", lp0, kept)
     index = np.asarray(packed.traj_index)
-    real = (index >= 0) & (index < len(kept))
+    real = (index >= 0) & (index < len(kept)) & (np.asarray(packed.branch_ids) == 0)
     assert real.sum() == sum(len(TRAJS[i]) for i in kept)
     np.testing.assert_allclose(logp[real], np.asarray(packed.old_logp)[real], atol=2e-5)
 
@@ -386,12 +398,13 @@ def test_af_modes_joint_and_sequential(setup):
 
 
 def test_old_and_ref_logprobs_only_on_policy_micro_batches():
-    """Trajectories are packed first, forecasting examples after them in their own micro-batches;
-    the forward-only passes cover the micro-batches with policy tokens (rounded up to a power of
-    two) and leave 0 in the rest, which no loss term reads."""
+    """Trajectories are packed first, the forecasting examples that do not fit on their trajectory's
+    row after them in their own micro-batches; the forward-only passes cover the micro-batches with
+    policy tokens (rounded up to a power of two) and leave 0 in the rest, which no loss term reads."""
     spec = methods.get_method("cope")
+    # short rows: some examples hang on their trajectories' rows, the others need rows of their own
     mbs, _ = batching.build_minibatches(TRAJS, EXAMPLES, spec, LOSS, groups_per_minibatch=len(SUCCESS),
-                                        row_len=ROW_LEN, rows_per_micro=1)
+                                        row_len=36, rows_per_micro=2)
     batch, n_traj = mbs[0].batch, mbs[0].num_trajectories
     idx = np.asarray(batch.traj_index)
     kinds = [set((idx[m][idx[m] >= 0] >= n_traj).tolist()) for m in range(batch.num_micro)]
