@@ -10,9 +10,10 @@ Everything is local: the tokenizer is a small SentencePiece model trained on the
 text, the model is randomly initialised.
 The paper's learning rate (1e-6) is for a 7B model; this tiny model uses 3e-5: from the seed-1 warm
 start (0.735) CoPE at 1e-4 fell to 0.718 / 0.643 at steps 10 / 20 (3e-4 raised the KL and lowered
-success within 10 steps), at 3e-5 it held 0.765 / 0.743 at steps 20 / 40 (GRPO alone: 0.777 / 0.76). λ stays at the paper's 0.01: at 0.1 and 0.5 the forecasting
-term (a sum over an episode's steps, SPEC 3) dominated the clipped gradient (norm 3-20) and success
-fell (0.33 -> 0.20 / 0.10 in 10 steps). The entropy bonus is off: with few successful groups it was
+success within 10 steps), at 3e-5 it held 0.765 / 0.743 at steps 20 / 40 (GRPO alone: 0.777 /
+0.76). λ stays at the paper's 0.01: at 0.1 and 0.5 the forecasting term (a sum over an episode's
+steps, SPEC 3) dominated the clipped gradient (norm 3-20) and success fell (0.33 -> 0.20 / 0.10 in
+10 steps). The entropy bonus is off: with few successful groups it was
 the largest force on the policy and drove its entropy (and KL) up while success fell. Evaluations
 play every test task 4 times (400 episodes; one sample each left a standard error of ~0.05).
 Method variants: `configs/demo.py:grpo` etc.

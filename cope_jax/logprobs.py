@@ -8,8 +8,8 @@ hidden state at t - 1 of the same segment. `token_logprobs` returns values in *t
 
 where segment_ids[b, t] == segment_ids[b, t-1] != 0 (and, with `branch_ids`, the two tokens are
 in the same branch: see `models.qwen.attention_mask`), and 0 elsewhere (the first token of every
-segment or branch and padding have no prediction). Masks such as `action_mask` (1 on sampled tokens) therefore
-index `logp` directly.
+segment or branch and padding have no prediction). Masks such as `action_mask` (1 on sampled
+tokens) therefore index `logp` directly.
 
 Memory: the chunked path scans over chunks of positions. Forward keeps, per token, only logp,
 entropy and the logsumexp; a custom VJP recomputes each chunk's logits in the backward pass and
