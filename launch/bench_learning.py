@@ -5,9 +5,10 @@
                                           [--learning_eval_every=5] [--learning_eval_tasks=N]
                                           [--learning_warmstart_steps=N] [--learning_workdir=DIR]
 
-The demo config's supervised warm start runs once (seed 0); every (method, seed) run then starts RL
-from a copy of that checkpoint, so the methods differ only in their objective and the seed only in
-the rollout randomness and task order. Each run evaluates the test split every `eval_every` steps.
+The config's supervised warm start runs once, with the config's own seed (the demo's seed is chosen
+so that its warm start picks up the exploration rule); every (method, seed) run then starts RL from
+a copy of that checkpoint, with RL seeds config seed + 0, 1, ..., so the methods differ only in
+their objective and the seed only in the rollout randomness and task order. Each run evaluates the test split every `eval_every` steps.
 Prints one JSON line per evaluation point, one summary line per run, and per method the mean curve
 and `steps_to_reference`: the first evaluation step at which the method's mean test success reaches
 the reference method's (GRPO's) final mean success. Writes `learning.png` (mean and per-seed curves).
@@ -37,12 +38,12 @@ flags.DEFINE_string("learning_workdir", "", "Where runs go (default: a temporary
 FLAGS = flags.FLAGS
 
 
-def _config(method: str, seed: int):
+def _config(method: str, seed_offset: int = 0):
     spec = importlib.util.spec_from_file_location("learning_config", FLAGS.learning_config)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     c = module.get_config(method)
-    c.seed = seed
+    c.seed += seed_offset
     if FLAGS.learning_steps:
         c.train.steps = FLAGS.learning_steps
     c.eval.every = FLAGS.learning_eval_every
@@ -118,7 +119,7 @@ def run(argv: list[str]) -> None:
     try:
         # One warm start, shared: a zero-step run of the reference method writes it.
         warm = os.path.join(root, "warmstart_run")
-        c = _config(reference, 0)
+        c = _config(reference)
         c.train.steps, c.eval.every = 0, 0  # every RL run evaluates its own step 0
         train_run(c, warm, progress=False)
         curves: dict[str, dict[int, dict[int, float]]] = {}
@@ -127,12 +128,13 @@ def run(argv: list[str]) -> None:
                 workdir = os.path.join(root, f"{method}_seed{seed}")
                 if not os.path.isdir(os.path.join(workdir, WARMSTART_DIR)):
                     shutil.copytree(os.path.join(warm, WARMSTART_DIR), os.path.join(workdir, WARMSTART_DIR))
-                summary = train_run(_config(method, seed), workdir, progress=False)
+                config = _config(method, seed)
+                summary = train_run(config, workdir, progress=False)
                 curve = _curve(workdir)
                 curves.setdefault(method, {})[seed] = curve
                 for step, succ in curve.items():
-                    _emit({"method": method, "seed": seed, "step": step, "succ": succ})
-                _emit({"method": method, "seed": seed, "final_succ": summary.get("succ"),
+                    _emit({"method": method, "seed": config.seed, "step": step, "succ": succ})
+                _emit({"method": method, "seed": config.seed, "final_succ": summary.get("succ"),
                        "start_succ": curve.get(0), "workdir": workdir if FLAGS.learning_workdir else None})
         for record in compare(curves, reference):
             _emit(record)
