@@ -291,11 +291,10 @@ def test_packing_and_micro_batching_invariance(setup):
     variants = [reordered, _regroup_rows(base, 0), longer]
     assert not np.array_equal(reordered.tokens, base.tokens)
     assert (np.asarray(base.branch_ids) >= 2).any()  # forecasting examples packed as trees
-    rows = [(r, s) for r in zip(*(np.asarray(a).reshape(-1, ROW_LEN) for a in (base.segment_ids, base.branch_ids,
-                                                                              base.pg_weight)))
-            for s in set(r[0]) - {0}]
     # some hang on their own trajectory's row: one segment with policy tokens and branches
-    assert any((r[1][r[0] == s] > 0).any() and (r[2][r[0] == s] > 0).any() for r, s in rows)
+    seg, branch, pg = (np.asarray(a).reshape(-1, ROW_LEN) for a in (base.segment_ids, base.branch_ids, base.pg_weight))
+    assert any((branch[r][seg[r] == s] > 0).any() and (pg[r][seg[r] == s] > 0).any()
+               for r in range(len(seg)) for s in set(seg[r]) - {0})
     # fewer, longer rows, one per micro-batch: every micro-batch holds a different token set
     assert longer.shape[1:] == (1, 2 * ROW_LEN) and longer.num_micro * 2 * ROW_LEN < base.tokens.size
     want_loss, want_grads, _ = packed_loss_and_grads(params, base, terms)
