@@ -59,9 +59,11 @@ def base_config(method: str = "cope") -> ml_collections.ConfigDict:
     # optional supervised warm start on expert demonstrations (the demo uses it); af_examples:
     # forecasting examples (SPEC 3 format, from the demonstrations) joining each step, 0 = off;
     # lr_schedule: 'constant' or 'cosine' (short warm-up, then decay to 5% over the steps); mistakes:
-    # probability of a broken action (context only) before each expert action (cope_jax/demos.py)
+    # probability of a broken action (context only) before each expert action; dawdle: of the
+    # family's idle action (trained) before each expert action (cope_jax/demos.py)
     c.warmstart = ml_collections.ConfigDict(dict(steps=0, learning_rate=1e-4, batch_episodes=16, tasks=0,
-                                                 af_examples=0, lr_schedule="constant", mistakes=0.0))
+                                                 af_examples=0, lr_schedule="constant", mistakes=0.0,
+                                                 dawdle=0.0))
     c.eval = ml_collections.ConfigDict(dict(every=10, tasks=0, samples=1, temperature=1.0, greedy=False))
     c.checkpoint = ml_collections.ConfigDict(dict(every=10, keep=3))
     c.log_every = 1

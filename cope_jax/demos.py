@@ -12,6 +12,12 @@ where the round limit leaves room for them). The broken reply is context only (n
 policy is taught what to do after a mistake, never the mistake; without it, a policy imitating a
 flawless expert has never seen the invalid-action message and tends to repeat the failed action
 until the round limit.
+
+Dawdling (`dawdle` > 0): before each expert action, with that probability, the family's
+`idle_action` (the built-in house's `look`) is played first and trained like the expert's own
+actions: a demonstrator that wastes rounds. The imitating policy copies the habit, and the round
+limit makes it cost episodes, so a warm-started policy has something RL can learn from its own
+reward (the demo: sharpening away a habit the demonstrations taught), besides what imitation leaves.
 """
 from __future__ import annotations
 
@@ -29,25 +35,34 @@ def _broken(action: str) -> str:
 
 def expert_trajectories(runner: RolloutRunner, task_ids: Sequence[int], *, max_rounds: int,
                         reply_format: str | None = None, timeout: float = 120.0, mistakes: float = 0.0,
-                        seed: int = 0) -> list[Trajectory]:
+                        dawdle: float = 0.0, seed: int = 0) -> list[Trajectory]:
     """Plays the expert on each task (all episodes in flight at once); keeps the successful ones.
     Replies follow `reply_format` (default: the family's). `mistakes`: the probability of a broken
-    action (context only) before each expert action (module docstring); `seed` draws them."""
+    action (context only) before each expert action, `dawdle`: of the family's idle action (trained)
+    (module docstring); `seed` draws both."""
     family, pool = runner.family, runner.pool
     reply_format = reply_format or family.reply_format
     if not hasattr(family, "expert_actions"):
         raise ValueError(f"environment family {runner.family_name!r} has no expert_actions(); "
                          "the warm start needs demonstrations")
+    idle = getattr(family, "idle_action", None)
+    if dawdle and not idle:
+        raise ValueError(f"warmstart.dawdle={dawdle}: environment family {runner.family_name!r} has no "
+                         "idle_action to dawdle with")
     rng = random.Random(seed)
     plans, broken = {}, {}
     for i, t in enumerate(task_ids):
         expert = list(family.expert_actions(t))
-        spare = max_rounds - len(expert)  # slips never cost a demonstration its success
-        plan, slips = [], set()
+        spare = max_rounds - len(expert)  # slips and idling never cost a demonstration its success
+        plan, slips, extra = [], set(), 0
         for a in expert:
-            if len(slips) < spare and rng.random() < mistakes:
+            if extra < spare and rng.random() < mistakes:
                 slips.add(len(plan))
                 plan.append(_broken(a))
+                extra += 1
+            if dawdle and extra < spare and rng.random() < dawdle:
+                plan.append(idle)
+                extra += 1
             plan.append(a)
         plans[i], broken[i] = plan[:max_rounds], slips
     record = {i: {"obs": [], "infos": [], "score": 0.0, "success": False, "next": 0} for i in plans}

@@ -286,6 +286,7 @@ class BuiltinEnv(EnvFamily):
     # a reply is the bare action line: the acting turns then share the format of CoPE's forecasting
     # targets (SPEC 3: the action strings, one per line), so a small policy learns one format, not two
     reply_format = "{action}"
+    idle_action = "look"  # costs a round, changes nothing (demonstrations may dawdle with it)
 
     def __init__(self, num_train: int = 1000, num_test: int = 100) -> None:
         super().__init__()

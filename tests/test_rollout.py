@@ -181,3 +181,32 @@ def test_expert_demonstrations_with_mistakes_teach_recovery_not_the_mistake(setu
     assert slips > 0
     assert expert_trajectories(runner, ids, max_rounds=20, mistakes=0.5, seed=1)[0].tokens.tolist() == \
         demos[0].tokens.tolist()  # seeded
+
+
+def test_dawdling_demonstrations_train_the_idle_action_within_the_round_limit(setup):
+    from cope_jax.demos import expert_trajectories
+
+    tok, chat, sampler, pool = setup
+    runner = RolloutRunner(sampler, pool, "builtin", FAMILY, chat, RolloutConfig(max_rounds=12))
+    ids = FAMILY.task_ids("train")[:8]
+    demos = expert_trajectories(runner, ids, max_rounds=12, dawdle=0.6, seed=2)
+    assert len(demos) == 8 and all(d.success for d in demos)
+    idle = 0
+    for d in demos:
+        replies = d.metadata["replies"]
+        assert len(replies) <= 12  # idling never costs a demonstration its success
+        for start, end in d.action_spans:  # every turn is trained, the idle ones too
+            assert d.action_mask[start:end].all()
+        assert [r for r in replies if r != FAMILY.idle_action] == FAMILY.expert_actions(int(d.task_id))
+        idle += replies.count(FAMILY.idle_action)
+        assert FAMILY.idle_action not in FAMILY.expert_actions(int(d.task_id))
+    assert idle > 0
+    plain = expert_trajectories(runner, ids[:2], max_rounds=12, seed=2)
+    assert [d.metadata["replies"] for d in plain] == [FAMILY.expert_actions(int(t)) for t in ids[:2]]
+
+    class NoIdle(type(FAMILY)):
+        idle_action = None
+
+    with pytest.raises(ValueError, match="idle_action"):
+        expert_trajectories(RolloutRunner(sampler, pool, "builtin", NoIdle(), chat, RolloutConfig(max_rounds=12)),
+                            ids[:1], max_rounds=12, dawdle=0.5)
