@@ -173,6 +173,8 @@ _PARENT = textwrap.dedent("""
     pool.submit_step(0, "hang")
     print(json.dumps(pids), flush=True)
     if sys.argv[1] == "sigint":
+        import faulthandler  # a parent still alive after 20 s says where it is stuck
+        faulthandler.dump_traceback_later(20)
         signal.signal(signal.SIGALRM, lambda *a: os.kill(os.getpid(), signal.SIGINT))
         signal.setitimer(signal.ITIMER_REAL, 0.3)
     pool.poll(timeout=None)   # blocks on the hung call: Ctrl-C or SIGKILL arrives here
@@ -189,7 +191,12 @@ def test_no_orphans_when_the_parent_is_interrupted_or_killed(how):
         assert len(pids) == 4 and all(_alive(p) for p in pids)
         if how == "sigkill":
             proc.kill()
-        _, err = proc.communicate(timeout=30)  # reads stderr while waiting: a full pipe cannot block it
+        try:  # reads stderr while waiting: a full pipe cannot block it
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+            pytest.fail(f"the parent did not exit within 60 s of the {how}; its stderr:\n{err}")
         if how == "sigint":
             assert "KeyboardInterrupt" in err
         assert _all_dead(pids, within=5.0)
