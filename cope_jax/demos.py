@@ -45,7 +45,7 @@ def expert_trajectories(runner: RolloutRunner, task_ids: Sequence[int], *, max_r
     if not hasattr(family, "expert_actions"):
         raise ValueError(f"environment family {runner.family_name!r} has no expert_actions(); "
                          "the warm start needs demonstrations")
-    idle = getattr(family, "idle_action", None)
+    idle = family.idle_action
     if dawdle and not idle:
         raise ValueError(f"warmstart.dawdle={dawdle}: environment family {runner.family_name!r} has no "
                          "idle_action to dawdle with")
