@@ -195,7 +195,8 @@ class Trainer:
         share = distributed.process_share(len(ids))  # each host plays its share of the experts
         demos = distributed.gather_shares(expert_trajectories(self.runner("train"), ids[share],
                                                               max_rounds=self.config.env.max_rounds_train,
-                                                              mistakes=ws.mistakes, dawdle=ws.dawdle, seed=self.config.seed + share.start))
+                                                              mistakes=ws.mistakes, dawdle=ws.dawdle,
+                                                              seed=self.config.seed + share.start))
         if not demos:
             raise RuntimeError("the expert solved no warm-start task")
         # optional: forecasting examples (SPEC 3's planning format, from the demonstrations, which
