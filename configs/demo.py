@@ -9,8 +9,8 @@ invalid-action message; without it a policy that never saw that message repeated
 limit punishes, so the warm start lands at 0.565 test success (T=1) instead of 0.735, with a gap
 that the policy's own reward can close. Before the dawdling, seed 0's warm start did not pick
 up the recovery rule (0.18), so the demo runs seed 1. Stage 2 runs CoPE (GRPO + action
-forecasting) from there. Everything is local: the tokenizer is a small SentencePiece model trained on the environment's own
-text, the model is randomly initialised.
+forecasting) from there. Everything is local: the tokenizer is a small SentencePiece model
+trained on the environment's own text, the model is randomly initialised.
 
 `python -m launch.bench --suite=learning --seeds=3` (this config, one warm start, RL seeds 1-3;
 the seed also draws the evaluation's samples, so the same warm start scores 0.565 / 0.625 / 0.595):
