@@ -6,9 +6,10 @@
                                           [--learning_warmstart_steps=N] [--learning_workdir=DIR]
 
 The config's supervised warm start runs once, with the config's own seed (the demo's seed is chosen
-so that its warm start picks up the exploration rule); every (method, seed) run then starts RL from
-a copy of that checkpoint, with RL seeds config seed + 0, 1, ..., so the methods differ only in
-their objective and the seed only in the rollout randomness and task order. Each run evaluates the test split every `eval_every` steps.
+so that its warm start picks up the recovery rule); every (method, seed) run then starts RL from a
+copy of that checkpoint, with RL seeds config seed + 0, 1, ..., so the methods differ only in their
+objective and the seed only in the rollout randomness, task order and evaluation samples. Each run
+evaluates the test split every `eval_every` steps.
 Prints one JSON line per evaluation point, one summary line per run, and per method the mean curve
 and `steps_to_reference`: the first evaluation step at which the method's mean test success reaches
 the reference method's (GRPO's) final mean success. Writes `learning.png` (mean and per-seed curves).
