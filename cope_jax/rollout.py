@@ -2,10 +2,11 @@
 
 For a batch of (task, group) pairs, episodes are reset in the environment pool and started in
 sampler rows as their first observation arrives. Each iteration generates one assistant turn for
-*every* episode that is waiting for one (a single batched sampler call), submits the parsed
-actions to the pool, and appends each returned observation to its row (prefilling only the new
-tokens). Environment workers step in their own processes while the sampler decodes the other
-episodes, so environment time overlaps with decoding. More episodes than sampler rows is fine: an
+*every* episode that is waiting for one (a single batched sampler call), submits each parsed
+action to the pool as soon as its turn ends (turns are streamed out of the call while longer ones
+still decode), and appends each returned observation to its row (prefilling only the new tokens).
+Environment workers step in their own processes while the sampler decodes the other episodes, so
+environment time overlaps with decoding. More episodes than sampler rows is fine: an
 episode waits for a free row.
 
 Token layout of an episode (SPEC 1), `P = <|im_start|>assistant\\n`:
@@ -48,6 +49,9 @@ class RolloutConfig:
     # order before decoding, so the schedule (hence sampler batches) does not depend on timing and
     # rollouts are bit-reproducible; gives up overlapping environment steps with decoding
     sync: bool = False
+    # streaming: finished turns are handed to the pool every this many decode steps (a host sync
+    # per chunk: small next to the steps themselves)
+    stream_every: int = 8
 
 
 @dataclasses.dataclass
@@ -284,42 +288,52 @@ class RolloutRunner:
                 ep.done = True
 
     def _generate(self, state: SamplerState, ready: list, key, stats: RolloutStats) -> int:
+        """One turn for every ready episode. Turns are streamed: each one's action goes to the pool
+        as soon as the turn ends, so its environment steps while longer turns are still decoding."""
         cfg = self.cfg
         t0 = time.perf_counter()
         keys = None if key is None else _turn_keys(key, np.array([ep.uid for ep in ready], np.int32),
                                                    np.array([len(ep.action_spans) for ep in ready], np.int32))
-        out = self.sampler.generate(state, [ep.row for ep in ready], cfg.max_turn_tokens,
-                                    temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                    greedy=cfg.greedy, key=keys)
+        ended = 0
+
+        def on_finish(i, tokens, logprobs, reason):
+            nonlocal ended
+            ended += self._turn_ended(ready[i], tokens, logprobs, reason, state, stats)
+
+        self.sampler.generate(state, [ep.row for ep in ready], cfg.max_turn_tokens, temperature=cfg.temperature,
+                              top_p=cfg.top_p, top_k=cfg.top_k, greedy=cfg.greedy, key=keys,
+                              on_finish=on_finish, stream_every=cfg.stream_every)
         stats.sample_s += time.perf_counter() - t0
         stats.sampler_calls += 1
-        ended = 0
-        for ep, toks, lps, reason in zip(ready, out.tokens, out.logprobs, out.finish_reasons):
-            stats.generated_tokens += len(toks)
-            toks = [int(t) for t in toks]
-            start = len(ep.tokens)
-            ep.tokens.extend(toks)
-            ep.action_mask.extend([True] * len(toks))
-            ep.obs_mask.extend([False] * len(toks))
-            ep.logp.extend(float(x) for x in lps)
-            closed = bool(toks) and toks[-1] == self.im_end
-            content_end = len(ep.tokens) - int(closed)
-            ep.action_spans.append((start, content_end))
-            reply = self.chat.tokenizer.decode(ep.tokens[start:content_end])
-            ep.replies.append(reply)
-            if reason == "context_full":
-                ep.actions.append(None)
-                ep.finish_reason = "context_full"
-                ended += self._end(ep, state)
-                continue
-            if not closed:  # turn cut at the per-turn cap: close it (not a sampled token)
-                ep.add([self.im_end])
-            ep.add(self.chat.end_of_turn())
-            action = self.family.parse_action(reply)
-            ep.actions.append(action)
-            ep.in_env = True
-            self.pool.submit_step(ep.env_key, action)
         return ended
+
+    def _turn_ended(self, ep: _Episode, tokens, logprobs, reason: str, state: SamplerState,
+                    stats: RolloutStats) -> int:
+        """Records a finished turn and submits its action; returns 1 if the episode ended."""
+        stats.generated_tokens += len(tokens)
+        toks = [int(t) for t in tokens]
+        start = len(ep.tokens)
+        ep.tokens.extend(toks)
+        ep.action_mask.extend([True] * len(toks))
+        ep.obs_mask.extend([False] * len(toks))
+        ep.logp.extend(float(x) for x in logprobs)
+        closed = bool(toks) and toks[-1] == self.im_end
+        content_end = len(ep.tokens) - int(closed)
+        ep.action_spans.append((start, content_end))
+        reply = self.chat.tokenizer.decode(ep.tokens[start:content_end])
+        ep.replies.append(reply)
+        if reason == "context_full":
+            ep.actions.append(None)
+            ep.finish_reason = "context_full"
+            return self._end(ep, state)
+        if not closed:  # turn cut at the per-turn cap: close it (not a sampled token)
+            ep.add([self.im_end])
+        ep.add(self.chat.end_of_turn())
+        action = self.family.parse_action(reply)
+        ep.actions.append(action)
+        ep.in_env = True
+        self.pool.submit_step(ep.env_key, action)
+        return 0
 
     def _can_join(self, episodes: Sequence[_Episode], spare_rows: int) -> bool:
         """Whether a result still at the pool could join the next sampler call: a step of an

@@ -15,19 +15,22 @@ prefills exactly [pending, new[:-1]]. A row holds at most `max_len` tokens; a tu
 that limit finishes with `context_full`, and an `extend` or `start` that does not fit marks the row
 full (it then only reports `context_full`); nothing is ever truncated.
 
-Device work happens in two jitted functions, `_prefill` and `_decode_loop` (a `lax.while_loop`
-over single-token steps), each on a *window* of the cache: the participating rows (gathered into a
-power-of-two bucket on a single device; all rows, in place, under a multi-device mesh so caches
-never move between devices) and the first W slots (W a power-of-two bucket covering the longest
-row), so the cost of a step follows the rows' real lengths, not `max_len`. The state is donated,
-so the cache is updated in place; only token ids, logprobs and finish codes cross to the host.
+Device work happens in jitted functions on a *window* of the cache: the participating rows
+(gathered into a power-of-two bucket on a single device; all rows, in place, under a multi-device
+mesh so caches never move between devices) and the first W slots (W a power-of-two bucket covering
+the longest row), so the cost of a step follows the rows' real lengths, not `max_len`. `_prefill`
+appends tokens; a turn is `_decode_start` (take the window), `_decode_loop` (a `lax.while_loop`
+over single-token steps, resumable, so a streamed turn hands finished rows to the host every few
+steps while the window stays on the device) and `_decode_end` (write it back). The state is
+donated, so the cache is updated in place; only token ids, logprobs and finish codes cross to the
+host.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import weakref
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -133,28 +136,28 @@ def _prefill(graphdef, params, weights, cache, pending, rows, tokens, num_new, p
     return _constrain(_put(cache, pending, sub, sub_pending, rows, window, compact), shardings)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "window", "steps", "compact", "shardings"),
-                   donate_argnames=("cache", "pending"))
-def _decode_loop(graphdef, params, weights, cache, pending, rows, knobs, max_steps, limit_code, eos_ids, stops,
-                 row_keys, *, window: int, steps: int, compact: bool, shardings):
-    """Generates up to max_steps[r] tokens per row in one `lax.while_loop` of single-token steps.
+@functools.partial(jax.jit, static_argnames=("window", "compact"))
+def _decode_start(cache, pending, rows, *, window: int, compact: bool):
+    """The window of the cache a turn decodes (`_take`): the loop carries it until `_decode_end`."""
+    return _take(cache, pending, rows, window, compact)
 
-    knobs: dict of [R] arrays (temperature, top_k, top_p, greedy); limit_code [R]: the finish code
-    when max_steps runs out (LENGTH or CONTEXT_FULL); eos_ids [E] (-1 padded); stops [N, M] (see
-    `stop_matched`); row_keys [R] PRNG keys. Returns (cache, pending, tokens [R, steps],
-    logprobs [R, steps], n [R], finish codes [R]).
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("run",))
+def _decode_loop(graphdef, params, weights, run, until, knobs, max_steps, limit_code, eos_ids, stops, row_keys):
+    """Continues a turn's single-token steps (one `lax.while_loop`) until step `until` or every row is done.
+
+    run: the turn's progress, carried from call to call (`_new_run`): step, done [R], code [R],
+    n [R], tokens / logprobs [R, steps], tail [R, M], and the window's cache and pending tokens;
+    a turn takes one call, or several when streaming hands finished rows over between them.
+    Sampling folds the global step into each row's key, so the tokens do not depend on how the turn
+    is split. knobs: dict of [R] arrays (temperature, top_k, top_p, greedy); limit_code [R]: the
+    finish code when max_steps runs out (LENGTH or CONTEXT_FULL); eos_ids [E] (-1 padded); stops
+    [N, M] (see `stop_matched`); row_keys [R] PRNG keys.
     """
     model = nnx.merge(graphdef, params)
-    sub, sub_pending = _take(cache, pending, rows, window, compact)
-    R = sub_pending.shape[0]
-    done = max_steps <= 0
-    state = dict(step=jnp.int32(0), cache=sub, pending=sub_pending, done=done,
-                 code=jnp.where(done, limit_code, 0).astype(jnp.int32), n=jnp.zeros(R, jnp.int32),
-                 tokens=jnp.zeros((R, steps), jnp.int32), logprobs=jnp.zeros((R, steps), jnp.float32),
-                 tail=jnp.full((R, stops.shape[1]), -1, jnp.int32))
 
     def cond(s):
-        return (s["step"] < steps) & ~jnp.all(s["done"])
+        return (s["step"] < until) & ~jnp.all(s["done"])
 
     def body(s):
         active = ~s["done"]
@@ -173,9 +176,24 @@ def _decode_loop(graphdef, params, weights, cache, pending, rows, knobs, max_ste
                     done=s["done"] | finished, code=jnp.where(finished, now, s["code"]), n=n,
                     tokens=col(s["tokens"], tok), logprobs=col(s["logprobs"], lp), tail=tail)
 
-    s = jax.lax.while_loop(cond, body, state)
-    cache, pending = _constrain(_put(cache, pending, s["cache"], s["pending"], rows, window, compact), shardings)
-    return cache, pending, s["tokens"], s["logprobs"], s["n"], s["code"]
+    return jax.lax.while_loop(cond, body, run)
+
+
+@functools.partial(jax.jit, static_argnames=("window", "compact", "shardings"), donate_argnames=("cache", "pending"))
+def _decode_end(cache, pending, sub, sub_pending, rows, *, window: int, compact: bool, shardings):
+    """Writes the decoded window back into the (donated) cache."""
+    return _constrain(_put(cache, pending, sub, sub_pending, rows, window, compact), shardings)
+
+
+def _new_run(cache: KVCache, pending, max_steps: np.ndarray, limit_code: np.ndarray, steps: int, tail: int) -> dict:
+    """A turn before its first step (see `_decode_loop`): the window's cache and pending tokens
+    (`_decode_start`) and host arrays for the rest."""
+    R = len(max_steps)
+    done = max_steps <= 0
+    return dict(step=np.int32(0), cache=cache, pending=pending, done=done,
+                code=np.where(done, limit_code, 0).astype(np.int32), n=np.zeros(R, np.int32),
+                tokens=np.zeros((R, steps), np.int32), logprobs=np.zeros((R, steps), np.float32),
+                tail=np.full((R, tail), -1, np.int32))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -306,7 +324,8 @@ class Sampler:
     def generate(self, state: SamplerState, rows: Sequence[int] | None = None, max_new_tokens=256, *,
                  temperature=1.0, top_p=1.0, top_k=0, greedy=False,
                  stop_sequences: Sequence[Sequence[int]] = (), eos_ids: Sequence[int] | None = None,
-                 key=None) -> Generation:
+                 key=None, on_finish: Callable[[int, np.ndarray, np.ndarray, str], None] | None = None,
+                 stream_every: int = 16) -> Generation:
         """One turn for `rows` (default: every live row); other rows stay idle.
 
         max_new_tokens, temperature, top_p, top_k, greedy: scalars or one value per row. A row ends
@@ -316,11 +335,19 @@ class Sampler:
         requested row ([n] keys: a row's tokens then depend only on its key, whatever row or batch
         it runs in). Results are deterministic given it. `eos_ids` overrides the sampler's EOS ids
         for this call.
+
+        on_finish(i, tokens, logprobs, finish_reason) streams the turns: it is called for request
+        i as soon as its turn has ended, checked every `stream_every` steps, while the other rows
+        go on decoding (the rollout hands the action to its environment there). The tokens do not
+        depend on streaming. It must not call this sampler; the returned Generation still holds
+        every row.
         """
         rows = self._check_rows(state, np.flatnonzero(state.live) if rows is None else rows, None, live=True)
         n = len(rows)
         if n == 0:
             return Generation([], [], [], [])
+        if stream_every < 1:
+            raise ValueError(f"stream_every must be >= 1, got {stream_every}")
         max_new = _per_row(max_new_tokens, n, np.int64, "max_new_tokens")
         knobs = dict(temperature=_per_row(temperature, n, np.float32, "temperature"),
                      top_k=_per_row(top_k, n, np.int32, "top_k"), top_p=_per_row(top_p, n, np.float32, "top_p"),
@@ -334,22 +361,40 @@ class Sampler:
         room = np.where(state.full[rows], 0, self.max_len - state.num_tokens()[rows])
         max_steps = np.minimum(max_new, room)
         limit_code = np.where(max_new <= room, LENGTH, CONTEXT_FULL)
-        if max_steps.max() > 0:
-            steps = _bucket(int(max_steps.max()), power_buckets(16, self.max_len))
-            window = _bucket(int((state.cached[rows] + max_steps).max()), self.windows)
-            lay = self._layout(rows)
-            args = dict(max_steps=lay(max_steps, 0), limit_code=lay(limit_code, 0),
-                        knobs={k: lay(v, _IDLE_ROW_KNOBS[k]) for k, v in knobs.items()})
-            graphdef, params, weights = self._params()
-            state.cache, state.pending, toks, lps, counts, codes = _decode_loop(
-                graphdef, params, weights, state.cache, state.pending, lay.rows, args["knobs"], args["max_steps"],
-                args["limit_code"], eos, stops, keys[lay(np.arange(n), 0)], window=window, steps=steps,
-                compact=self.compact, shardings=self._shardings)
-            toks, lps, counts, codes = (np.asarray(x)[lay.index] for x in (toks, lps, counts, codes))
-        else:
-            toks, lps = np.zeros((n, 0), np.int32), np.zeros((n, 0), np.float32)
-            counts, codes = np.zeros(n, np.int64), limit_code
-        state.cached[rows] += counts
+        lay = self._layout(rows)
+        steps = _bucket(max(1, int(max_steps.max())), power_buckets(16, self.max_len))
+        window = _bucket(max(1, int((state.cached[rows] + max_steps).max())), self.windows)
+        knobs = {k: lay(v, _IDLE_ROW_KNOBS[k]) for k, v in knobs.items()}
+        counts, reported = np.zeros(n, np.int64), max_steps <= 0
+        if on_finish is not None:  # rows with no room left end at once
+            for i in np.flatnonzero(reported):
+                on_finish(int(i), np.zeros(0, np.int32), np.zeros(0, np.float32), FINISH_REASONS[limit_code[i]])
+        run = _new_run(*_decode_start(state.cache, state.pending, lay.rows, window=window, compact=self.compact),
+                       lay(max_steps, 0), lay(limit_code, 0), steps, stops.shape[1])
+        chunk, until = (stream_every if on_finish is not None else steps), 0
+        try:
+            while not reported.all():
+                if until >= steps:
+                    raise RuntimeError("decode loop ended with rows still running")  # max_steps <= steps
+                until = min(until + chunk, steps)
+                graphdef, params, weights = self._params()
+                run = _decode_loop(graphdef, params, weights, run, np.int32(until), knobs, lay(max_steps, 0),
+                                   lay(limit_code, 0), eos, stops, keys[lay(np.arange(n), 0)])
+                done, now = (np.asarray(run[k])[lay.index] for k in ("done", "n"))
+                new = np.flatnonzero(done & ~reported)
+                reported |= done
+                if on_finish is not None and len(new):
+                    toks, lps, codes = (np.asarray(run[k])[lay.index] for k in ("tokens", "logprobs", "code"))
+                    for i in new:
+                        on_finish(int(i), toks[i, :now[i]].astype(np.int32), lps[i, :now[i]].astype(np.float32),
+                                  FINISH_REASONS[codes[i]])
+        finally:  # the cache holds what was decoded, even if a callback raised
+            state.cache, state.pending = _decode_end(state.cache, state.pending, run["cache"], run["pending"],
+                                                     lay.rows, window=window, compact=self.compact,
+                                                     shardings=self._shardings)
+            counts = np.asarray(run["n"])[lay.index].astype(np.int64)
+            state.cached[rows] += np.where(state.live[rows], counts, 0)  # a callback may free its row
+        toks, lps, codes = (np.asarray(run[k])[lay.index] for k in ("tokens", "logprobs", "code"))
         return Generation(rows=[int(r) for r in rows],
                           tokens=[toks[i, :counts[i]].astype(np.int32) for i in range(n)],
                           logprobs=[lps[i, :counts[i]].astype(np.float32) for i in range(n)],

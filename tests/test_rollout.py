@@ -31,6 +31,8 @@ class Recorder:
 
     def __init__(self, sampler):
         self.sampler, self.calls, self.events = sampler, [], []
+        self.handed = []  # per generate call: the requests in the order their turns were handed over
+        self.in_generate = False
 
     def __getattr__(self, name):
         return getattr(self.sampler, name)
@@ -40,7 +42,19 @@ class Recorder:
         return self.sampler.start(prompts, state, rows=rows)
 
     def generate(self, state, rows, *args, **kw):
-        out = self.sampler.generate(state, rows, *args, **kw)
+        self.handed.append([])
+        if kw.get("on_finish") is not None:
+            on_finish = kw["on_finish"]
+
+            def recorded(i, *a):
+                self.handed[-1].append(i)
+                on_finish(i, *a)
+            kw["on_finish"] = recorded
+        self.in_generate = True
+        try:
+            out = self.sampler.generate(state, rows, *args, **kw)
+        finally:
+            self.in_generate = False
         self.calls.append(out)
         self.events.append(("generate", len(rows)))
         return out
@@ -105,6 +119,41 @@ def test_an_episode_samples_the_same_wherever_it_runs(setup):
         np.testing.assert_allclose(x.sampler_logp, y.sampler_logp, atol=1e-5)
     with pytest.raises(ValueError, match="episode_ids"):
         runner.run(tasks, jax.random.key(5), episode_ids=range(3))
+
+
+def test_actions_reach_the_environment_while_longer_turns_decode(setup):
+    """Streamed turns: an action is submitted as soon as its turn ends, inside the generate call that
+    is still decoding the batch's longer turns, and the trajectories hold exactly what was sampled."""
+    tok, chat, sampler, pool = setup
+    # half the vocabulary ends a turn: turn lengths spread over 1..8 tokens
+    uneven = Sampler(sampler.model, batch_size=4, max_len=1024, eos_ids=list(tok.eos_ids) + list(range(150)))
+    recorder = Recorder(uneven)
+    submits = []
+
+    class Watched:
+        def __getattr__(self, name):
+            return getattr(pool, name)
+
+        def submit_step(self, episode, action):
+            submits.append(recorder.in_generate)
+            pool.submit_step(episode, action)
+
+    runner = RolloutRunner(recorder, Watched(), "builtin", FAMILY, chat,
+                           RolloutConfig(max_rounds=3, max_turn_tokens=8, stream_every=1))
+    trajs, stats = runner.run([(t, 0) for t in FAMILY.task_ids("train")[:4]], jax.random.key(1))
+    assert stats.env_steps == len(submits) > 0
+    reordered = 0
+    for call, order in zip(recorder.calls, recorder.handed):
+        lengths = [len(t) for t in call.tokens]
+        # turns are handed over as they end (shortest first), not when the whole call returns
+        assert [lengths[i] for i in order] == sorted(lengths) and sorted(order) == list(range(len(lengths)))
+        reordered += order != sorted(order)
+    assert reordered > 0
+    assert all(submits)  # each action went to the pool from inside the call that sampled it
+    sampled = sorted(tuple(t.tolist()) for call in recorder.calls for t in call.tokens)
+    in_trajs = [tuple(t.tokens[a:b + int(b < len(t.tokens) and t.action_mask[b])].tolist())  # + a sampled <|im_end|>
+                for t in trajs for a, b in t.action_spans]
+    assert sorted(in_trajs) == sampled
 
 
 class OneResultPerPoll:

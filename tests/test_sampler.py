@@ -240,6 +240,36 @@ def test_idle_rows_and_reused_slots_are_unaffected(setup):
         np.testing.assert_array_equal(got, want)
 
 
+def test_streamed_turns_reach_the_caller_as_they_end(setup):
+    """on_finish hands each row over when its turn ends, while longer turns are still decoding, and
+    streaming does not change a token."""
+    _, _, cfg, sampler = setup
+    prompts = _prompts(cfg.vocab_size, seed=12)
+    max_new = [2, 7, 16, 11]
+    ref = sampler.generate(sampler.start(prompts), max_new_tokens=max_new, key=13)
+    state = sampler.start(prompts)
+    seen = []
+
+    def on_finish(i, tokens, logprobs, reason):
+        seen.append((i, tokens, logprobs, reason))
+
+    out = sampler.generate(state, max_new_tokens=max_new, key=13, on_finish=on_finish, stream_every=4)
+    assert [s[0] for s in seen] == [0, 1, 3, 2]  # ends at steps 2, 7, 11, 16: chunks 1, 2, 3, 4
+    for i, tokens, logprobs, reason in seen:
+        assert reason == "length" == out.finish_reasons[i] == ref.finish_reasons[i]
+        for got in (tokens, out.tokens[i]):
+            np.testing.assert_array_equal(got, ref.tokens[i])
+        np.testing.assert_allclose(logprobs, ref.logprobs[i], rtol=1e-6)
+    # in one chunk, the turns are handed over together, in request order
+    order = []
+    sampler.generate(sampler.start(prompts), max_new_tokens=max_new, key=13, stream_every=16,
+                     on_finish=lambda i, *_: order.append(i))
+    assert order == [0, 1, 2, 3]
+    assert state.num_tokens().tolist() == [len(p) + n for p, n in zip(prompts, max_new)]
+    with pytest.raises(ValueError, match="stream_every"):
+        sampler.generate(state, max_new_tokens=2, key=1, on_finish=on_finish, stream_every=0)
+
+
 def test_context_full_never_truncates(setup):
     _, _, cfg, sampler = setup
     long = _prompts(cfg.vocab_size, seed=8, lens=(MAX_LEN - 3, 4, MAX_LEN + 1, MAX_LEN))
@@ -292,6 +322,12 @@ def test_sharded_scanned_greedy_equals_single_device_unrolled(setup):
     state = sharded.start(prompts)
     assert len(state.cache.k.sharding.device_set) == 8
     out = sharded.generate(state, max_new_tokens=16, greedy=True)
+    streamed = []
+    sharded.generate(sharded.start(prompts), max_new_tokens=16, greedy=True, stream_every=5,
+                     on_finish=lambda i, tokens, *_: streamed.append((i, tokens)))
+    assert sorted(i for i, _ in streamed) == list(range(B))
+    for i, tokens in streamed:
+        np.testing.assert_array_equal(tokens, ref[i])
     # the cache stays on its sharding across donated calls: batch over data x fsdp, kv heads over tp
     want = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, ("data", "fsdp"), None, "tp"))
     assert state.cache.k.sharding.is_equivalent_to(want, 5)
