@@ -51,7 +51,7 @@ class RolloutConfig:
     sync: bool = False
     # streaming: finished turns are handed to the pool every this many decode steps (a host sync
     # per chunk: small next to the steps themselves)
-    stream_every: int = 8
+    stream_every: int = 16
 
 
 @dataclasses.dataclass

@@ -158,7 +158,8 @@ class Trainer:
         cfg = RolloutConfig(max_rounds=rounds, max_turn_tokens=c.rollout.max_turn_tokens,
                             temperature=c.rollout.temperature if train else c.eval.temperature,
                             top_p=c.rollout.top_p, top_k=c.rollout.top_k,
-                            greedy=False if train else c.eval.greedy, sync=c.rollout.sync)
+                            greedy=False if train else c.eval.greedy, sync=c.rollout.sync,
+                            stream_every=c.rollout.stream_every)
         return RolloutRunner(self.sampler, self.pool, c.env.family, self.family, self.chat, cfg)
 
     def rollout(self, runner: RolloutRunner, plan: list[tuple[int, int]], key) -> tuple[list, Any]:

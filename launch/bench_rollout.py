@@ -2,12 +2,13 @@
 
   python -m launch.bench --suite=rollout [--rollout_families=builtin,sciworld] [--rollout_workers=4]
       [--rollout_envs_per_worker=2] [--rollout_episodes=16] [--rollout_rounds=8]
-      [--rollout_turn_tokens=24] [--rollout_repeats=2] [--rollout_model=DIR]
+      [--rollout_turn_tokens=24] [--rollout_turn_end=0] [--rollout_repeats=3] [--rollout_model=DIR]
 
 For each family, three measurements of the same episodes, in the same run (after a warm-up pass
 that compiles the sampler's shapes and warms the environments, e.g. the JVM's JIT):
 
-- `wall_s`: the real rollout, `RolloutRunner` with the asynchronous pool (`sync=False`);
+- `wall_s`: the real rollout, `RolloutRunner` with the asynchronous pool (`sync=False`; turns
+  streamed, each action sent to its environment as soon as its turn ends);
 - `sampling_s`: pure sampling, the same rollout against a pool that answers at once with the
   recorded results (no environment work). Episodes sample with per-episode keys, so the sampler
   generates the same turns (`gen_tokens` of both lines);
@@ -17,12 +18,20 @@ that compiles the sampler's shapes and warms the environments, e.g. the JVM's JI
 `overlap = wall_s / max(sampling_s, env_s)`: 1.0 means environment steps hide completely behind
 decoding (or the reverse); `wall_s / (sampling_s + env_s)` near 1 means none do. A lockstep
 rollout (`sync=True`, no overlap by design) is reported as `sync_wall_s` for reference. Each time is
-the best of `repeats`. The asynchronous schedule depends on timing, so it can reach sampler shapes
+the best of `repeats`, with the CPU time it took (`*_cpu_s`: this process and the environment
+workers with what they started, e.g. ScienceWorld's JVMs). Where decoding and the environments
+run on the same cores (a CPU-only machine), no schedule finishes before their CPU time over the
+cores: `overlap_floor` is the overlap that bound allows (1.0 on an accelerator host, where the
+device decodes). The asynchronous schedule depends on timing, so it can reach sampler shapes
 the warm-up did not: warm-up passes repeat until one compiles nothing, and `compile_s` reports
 XLA compilation inside the measured runs; a run that compiled is not used for its measurement
-unless every run of it did (then the measurement is listed in `unclean`). The policy is a random
-Qwen3-shaped model (or `--rollout_model`), so actions are mostly invalid: the environment still
-parses and answers each one. One JSON object per line.
+unless every run of it did (then the measurement is listed in `unclean`).
+
+The policy is a random Qwen3-shaped model (or `--rollout_model`), so actions are mostly invalid:
+the environment still parses and answers each one. Its turns run to `--rollout_turn_tokens`, all
+ending together, unless `--rollout_turn_end=p` makes a random fraction p of the vocabulary end a
+turn: turns then end at uneven lengths (~1/p tokens), as a trained policy's do, and streaming
+lets the environments step while the longer turns decode. One JSON object per line.
 """
 from __future__ import annotations
 
@@ -32,7 +41,7 @@ import os
 import time
 
 import jax
-from absl import flags
+from absl import app, flags
 
 flags.DEFINE_list("rollout_families", ["builtin", "sciworld"], "Environment families to measure.")
 flags.DEFINE_integer("rollout_workers", 4, "Environment worker processes.")
@@ -43,6 +52,9 @@ flags.DEFINE_integer("rollout_rounds", 8, "Environment steps per episode (max ro
 flags.DEFINE_integer("rollout_turn_tokens", 24, "Generation cap per assistant turn.")
 flags.DEFINE_integer("rollout_repeats", 3, "Measurements; the best is reported.")
 flags.DEFINE_string("rollout_model", "", "HF or Orbax model directory (default: a random tiny model).")
+flags.DEFINE_float("rollout_turn_end", 0.0,
+                   "Random policy only: the fraction of the vocabulary that ends a turn, so turns end at "
+                   "uneven lengths as a trained policy's do (0: every turn runs to --rollout_turn_tokens).")
 FLAGS = flags.FLAGS
 
 MAX_LEN = 4096
@@ -127,19 +139,53 @@ def replay_actions(pool, family: str, trajs, rounds: int) -> tuple[float, int]:
 
 
 def _policy():
-    """(model, tokenizer, chat style) of the benchmark."""
+    """(model, tokenizer, chat style, end-of-turn ids) of the benchmark."""
+    import numpy as np
+
     import models
     from cope_jax.tokenizer import load_tokenizer
 
     if FLAGS.rollout_model:
+        if FLAGS.rollout_turn_end:
+            raise app.UsageError("--rollout_turn_end shapes the random policy; a --rollout_model ends its own turns")
         model, _ = models.load_model(FLAGS.rollout_model)
-        return model, load_tokenizer(FLAGS.rollout_model), "qwen2.5"
+        tok = load_tokenizer(FLAGS.rollout_model)
+        return model, tok, "qwen2.5", tuple(tok.eos_ids)
+    if not 0 <= FLAGS.rollout_turn_end < 1:
+        raise app.UsageError(f"--rollout_turn_end must be in [0, 1), got {FLAGS.rollout_turn_end}")
     tok = load_tokenizer("qwen2.5")
     cfg = models.QwenConfig(family="qwen3", vocab_size=tok.vocab_size, hidden_size=128, intermediate_size=256,
                             num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6,
                             rope_theta=1e4, tie_word_embeddings=True, qkv_bias=False, qk_norm=True,
                             dtype="float32", param_dtype="float32")
-    return models.create_model(cfg, seed=0), tok, "qwen2.5"
+    # a random model's next token is spread over the vocabulary: treating a random fraction p of it
+    # as end-of-turn ids ends each turn after ~1/p tokens, at a different length per turn
+    ends = np.random.default_rng(0).permutation(tok.vocab_size)[:round(FLAGS.rollout_turn_end * tok.vocab_size)]
+    return models.create_model(cfg, seed=0), tok, "qwen2.5", tuple(tok.eos_ids) + tuple(int(i) for i in ends)
+
+
+def _cpu_s(pool) -> float:
+    """CPU seconds used so far by this process and by the pool's worker processes and their
+    descendants (ScienceWorld's JVMs), read from /proc."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    children: dict[int, list[int]] = {}
+    stats: dict[int, list[str]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:  # exited meanwhile
+                continue
+            stats[int(entry)] = fields
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    todo, total = list(pool.worker_pids()), 0.0
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        if pid in stats:
+            total += (int(stats[pid][11]) + int(stats[pid][12])) / ticks  # utime + stime
+    return total + time.process_time()
 
 
 def _tasks(family, n: int) -> list[tuple[int, int]]:
@@ -148,7 +194,7 @@ def _tasks(family, n: int) -> list[tuple[int, int]]:
     return [(int(ids[(i * step) % len(ids)]), i) for i in range(n)]
 
 
-def measure(family_name: str, model, tokenizer, style: str) -> dict:
+def measure(family_name: str, model, tokenizer, style: str, eos_ids) -> dict:
     from cope_jax.chat import ChatFormat
     from cope_jax.rollout import RolloutConfig, RolloutRunner
     from cope_jax.sampler import Sampler
@@ -160,20 +206,22 @@ def measure(family_name: str, model, tokenizer, style: str) -> dict:
     chat = ChatFormat(tokenizer, style)
     plan = _tasks(family, FLAGS.rollout_episodes)
     rows = FLAGS.rollout_rows or workers * slots
-    sampler = Sampler(model, batch_size=rows, max_len=MAX_LEN, eos_ids=tokenizer.eos_ids)
+    sampler = Sampler(model, batch_size=rows, max_len=MAX_LEN, eos_ids=eos_ids)
     cfg = RolloutConfig(max_rounds=FLAGS.rollout_rounds, max_turn_tokens=FLAGS.rollout_turn_tokens,
                         temperature=1.0)
     key = jax.random.key(0)
-    best: dict[str, float] = {}
-    compiled: dict[str, float] = {}  # best time of each measurement among runs that compiled
+    best: dict[str, tuple[float, float]] = {}  # measurement -> (seconds, CPU seconds) of its best run
+    compiled: dict[str, tuple[float, float]] = {}  # the same among runs that compiled
 
     def timed(name, fn, seconds):
-        """result = fn(), timed as seconds(result); a run that compiled anything is kept apart, so
-        a new sampler shape reached by the asynchronous schedule does not count as rollout time."""
-        before = _COMPILE["s"]
+        """result = fn(), timed as seconds(result), with the CPU time of this process and of the
+        environment workers (and what they started) meanwhile; a run that compiled anything is kept
+        apart, so a new sampler shape reached by the asynchronous schedule does not count."""
+        before, cpu = _COMPILE["s"], _cpu_s(pool)
         result = fn()
+        cpu = _cpu_s(pool) - cpu
         into = best if _COMPILE["s"] == before else compiled
-        into[name] = min(into.get(name, float("inf")), seconds(result))
+        into[name] = min(into.get(name, (float("inf"), 0.0)), (seconds(result), cpu))
         return result
 
     with EnvPool({family_name: workers}, envs_per_worker=slots) as pool:
@@ -199,26 +247,31 @@ def measure(family_name: str, model, tokenizer, style: str) -> dict:
     # a measurement whose every run compiled is reported from those runs and named in `unclean`
     unclean = sorted(set(compiled) - set(best))
     best.update({k: compiled[k] for k in unclean})
+    secs = {k: v[0] for k, v in best.items()}
+    cpus = len(os.sched_getaffinity(0))
     out = {"suite": "rollout", "family": family_name, "workers": workers, "envs_per_worker": slots, "rows": rows,
            "episodes": len(plan), "env_steps": stats.env_steps, "env_steps_replayed": env_steps,
            "gen_tokens": stats.generated_tokens, "gen_tokens_replayed": rstats.generated_tokens,
-           **{k: round(v, 3) for k, v in best.items()}, "compile_s": round(_COMPILE["s"] - compile_before, 3),
-           "unclean": unclean}
-    out["sum_s"] = round(best["sampling_s"] + best["env_s"], 3)
-    out["overlap"] = round(best["wall_s"] / max(best["sampling_s"], best["env_s"]), 3)
-    out["wall_over_sum"] = round(best["wall_s"] / out["sum_s"], 3)
+           "turn_end": FLAGS.rollout_turn_end, **{k: round(v, 3) for k, v in secs.items()},
+           "compile_s": round(_COMPILE["s"] - compile_before, 3), "unclean": unclean}
+    out["sum_s"] = round(secs["sampling_s"] + secs["env_s"], 3)
+    longer = max(secs["sampling_s"], secs["env_s"])
+    out["overlap"] = round(secs["wall_s"] / longer, 3)
+    out["wall_over_sum"] = round(secs["wall_s"] / out["sum_s"], 3)
+    # decoding and environments share this machine's cores: the rollout needs at least their CPU
+    # time over the cores, whatever the schedule (on an accelerator host they do not compete)
+    out.update({f"{k[:-2]}_cpu_s": round(v[1], 3) for k, v in best.items()}, cpus=cpus)
+    out["overlap_floor"] = round(max(longer, (best["sampling_s"][1] + best["env_s"][1]) / cpus) / longer, 3)
     out["load_avg_1m"] = round(os.getloadavg()[0], 2)
     return out
 
 
 def run(argv) -> None:
     del argv
-    model, tokenizer, style = _policy()
+    model, tokenizer, style, eos_ids = _policy()
     for family in FLAGS.rollout_families:
-        print(json.dumps(measure(family, model, tokenizer, style)), flush=True)
+        print(json.dumps(measure(family, model, tokenizer, style, eos_ids)), flush=True)
 
 
 if __name__ == "__main__":  # pragma: no cover
-    from absl import app
-
     app.run(lambda argv: run(argv[1:]))

@@ -1,0 +1,52 @@
+"""The rollout overlap benchmark: its line, its CPU accounting and its flags."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from envs.pool import EnvPool
+from launch.bench_rollout import _cpu_s
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["--suite=rollout", "--rollout_families=builtin", "--rollout_episodes=4", "--rollout_rounds=2",
+         "--rollout_turn_tokens=4", "--rollout_repeats=1", "--rollout_workers=2", "--rollout_envs_per_worker=1"]
+
+
+def _bench(*flags):
+    return subprocess.run([sys.executable, "-m", "launch.bench", *SMALL, *flags], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_cpu_time_counts_the_environment_workers():
+    with EnvPool({"builtin": 2}) as pool:
+        pool.submit_reset("e", "builtin", 0)
+        assert pool.poll(timeout=60)  # both workers are up (starting them costs CPU: imports)
+        workers = _cpu_s(pool) - time.process_time()
+        assert workers > 0.05
+        t0, c0 = time.process_time(), _cpu_s(pool)
+        while time.process_time() - t0 < 0.2:  # this process burns 0.2 s
+            pass
+        assert 0.2 <= _cpu_s(pool) - c0 < 0.2 + workers
+
+
+def test_the_line_puts_the_rollout_next_to_its_parts():
+    out = _bench("--rollout_turn_end=0.25")
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = json.loads(next(ln for ln in out.stdout.splitlines() if ln.startswith("{")))
+    assert line["family"] == "builtin" and line["env_steps"] == line["env_steps_replayed"] == 8
+    # a quarter of the vocabulary ends a turn: most turns stop before the 4-token cap
+    assert 0 < line["gen_tokens"] < 4 * 2 * 4
+    for k in ("wall_s", "sampling_s", "env_s", "sync_wall_s"):
+        assert line[k] > 0 and line[k.replace("_s", "_cpu_s")] > 0
+    assert line["overlap"] == pytest.approx(line["wall_s"] / max(line["sampling_s"], line["env_s"]), rel=0.02)
+    assert line["cpus"] == len(os.sched_getaffinity(0)) and line["overlap_floor"] >= 1.0
+
+
+def test_bad_flags_are_refused():
+    out = _bench("--rollout_turn_end=1.5")
+    assert out.returncode != 0 and "--rollout_turn_end must be in [0, 1)" in out.stderr
+    out = _bench("--rollout_turn_end=0.1", "--rollout_model=nowhere")
+    assert out.returncode != 0 and "a --rollout_model ends its own turns" in out.stderr
