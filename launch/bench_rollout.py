@@ -2,7 +2,7 @@
 
   python -m launch.bench --suite=rollout [--rollout_families=builtin,sciworld] [--rollout_workers=4]
       [--rollout_envs_per_worker=2] [--rollout_episodes=16] [--rollout_rounds=8]
-      [--rollout_turn_tokens=24] [--rollout_turn_end=0] [--rollout_repeats=3] [--rollout_model=DIR]
+      [--rollout_turn_tokens=24] [--rollout_turn_end=0.08] [--rollout_repeats=3] [--rollout_model=DIR]
 
 For each family, three measurements of the same episodes, in the same run (after a warm-up pass
 that compiles the sampler's shapes and warms the environments, e.g. the JVM's JIT):
@@ -28,10 +28,11 @@ XLA compilation inside the measured runs; a run that compiled is not used for it
 unless every run of it did (then the measurement is listed in `unclean`).
 
 The policy is a random Qwen3-shaped model (or `--rollout_model`), so actions are mostly invalid:
-the environment still parses and answers each one. Its turns run to `--rollout_turn_tokens`, all
-ending together, unless `--rollout_turn_end=p` makes a random fraction p of the vocabulary end a
-turn: turns then end at uneven lengths (~1/p tokens), as a trained policy's do, and streaming
-lets the environments step while the longer turns decode. One JSON object per line.
+the environment still parses and answers each one. A random fraction p (`--rollout_turn_end`) of
+the vocabulary ends a turn, so turns end at uneven lengths (~1/p tokens, at most
+`--rollout_turn_tokens`) as a trained policy's do, and streaming lets the environments step while
+the longer turns of the call decode; with p = 0 every turn runs to the cap and all end together
+(nothing to overlap within a round). One JSON object per line.
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ flags.DEFINE_integer("rollout_rounds", 8, "Environment steps per episode (max ro
 flags.DEFINE_integer("rollout_turn_tokens", 24, "Generation cap per assistant turn.")
 flags.DEFINE_integer("rollout_repeats", 3, "Measurements; the best is reported.")
 flags.DEFINE_string("rollout_model", "", "HF or Orbax model directory (default: a random tiny model).")
-flags.DEFINE_float("rollout_turn_end", 0.0,
+flags.DEFINE_float("rollout_turn_end", 0.08,
                    "Random policy only: the fraction of the vocabulary that ends a turn, so turns end at "
                    "uneven lengths as a trained policy's do (0: every turn runs to --rollout_turn_tokens).")
 FLAGS = flags.FLAGS
