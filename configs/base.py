@@ -45,6 +45,7 @@ def base_config(method: str = "cope") -> ml_collections.ConfigDict:
         sampler_rows=128,  # concurrent episodes in each host's sampler
         sync=False,  # lockstep rounds: bit-reproducible rollouts, no env/decode overlap
         stream_every=16,  # decode steps between hand-offs of finished turns to their environments
+        prefetch_resets=True,  # reset the next step's environments during this step's rollout and update
     ))
     c.train = ml_collections.ConfigDict(dict(
         steps=100, learning_rate=1e-6, weight_decay=0.01, clip_norm=1.0, b1=0.9, b2=0.999,

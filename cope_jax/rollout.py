@@ -132,6 +132,8 @@ class RolloutRunner:
         self._gen_prompt = chat.generation_prompt()
         self._preambles: dict[int, list[Turn]] = {}
         self._generate_s = 0.0  # running mean of a generate call's time (0: none yet)
+        self._ahead: dict[tuple[int, int, int], object] = {}  # prefetched (task, group, id) -> env key
+        self._early: dict[object, object] = {}  # env key -> its reset result, arrived before its run
 
     def preamble(self, task_id: int) -> list[Turn]:
         """Turns before o_0: instruction + acknowledgement (ReAct), or the system message with the
@@ -157,12 +159,19 @@ class RolloutRunner:
 
     # -- the loop ----------------------------------------------------------------------------------
     def run(self, tasks: Sequence[tuple[int, int]], key: jax.Array, state: SamplerState | None = None, *,
-            episode_ids: Sequence[int] | None = None) -> tuple[list[Trajectory], RolloutStats]:
+            episode_ids: Sequence[int] | None = None, prefetch: Sequence[tuple[int, int]] = (),
+            prefetch_ids: Sequence[int] | None = None) -> tuple[list[Trajectory], RolloutStats]:
         """Plays one episode per (task_id, group_id); returns trajectories in input order.
 
         Turn j of episode i samples with fold_in(fold_in(key, episode_ids[i]), j) (default ids:
         0, 1, ...), so an episode's tokens do not depend on the sampler row or batch it runs in,
         nor on which host of a multi-host run plays it.
+
+        prefetch: the next batch's (task_id, group_id) pairs (ids `prefetch_ids`, default 0, 1, ...).
+        Their resets are submitted behind this batch's, so their environments reset while this batch
+        decodes and while the caller trains on it; the next run of this runner picks up the
+        episodes it plays again (same task, group and id) with their first observation ready and
+        releases the others. Until then the pool must serve no other runner.
         """
         cfg, sampler = self.cfg, self.sampler
         stats = RolloutStats()
@@ -171,14 +180,31 @@ class RolloutRunner:
         uids = range(len(tasks)) if episode_ids is None else [int(u) for u in episode_ids]
         if len(uids) != len(tasks):
             raise ValueError(f"{len(uids)} episode_ids for {len(tasks)} episodes")
+        ahead_ids = range(len(prefetch)) if prefetch_ids is None else [int(u) for u in prefetch_ids]
+        if len(ahead_ids) != len(prefetch):
+            raise ValueError(f"{len(ahead_ids)} prefetch_ids for {len(prefetch)} episodes")
         episodes = [_Episode(i, int(t), int(g), uid=u, family=self.family_name)
                     for i, ((t, g), u) in enumerate(zip(tasks, uids))]
         ids = {}
+        early = []  # first observations of prefetched episodes that arrived before this run
+        ahead, self._ahead = self._ahead, {}
         for ep in episodes:
-            ep_key = (id(self), ep.index, time.perf_counter_ns())
-            ids[ep_key] = ep
-            ep.env_key, ep.in_env = ep_key, True
-            self.pool.submit_reset(ep_key, self.family_name, ep.task_id, max_steps=cfg.max_rounds)
+            ep.env_key = ahead.pop((ep.task_id, ep.group_id, ep.uid), None)
+            ep.in_env = True
+            if ep.env_key is None:
+                ep.env_key = (id(self), ep.index, time.perf_counter_ns())
+                self.pool.submit_reset(ep.env_key, self.family_name, ep.task_id, max_steps=cfg.max_rounds)
+            elif ep.env_key in self._early:
+                early.append(self._early.pop(ep.env_key))
+            ids[ep.env_key] = ep
+        for env_key in ahead.values():  # prefetched for a batch that did not come
+            self.pool.release(env_key)
+            self._early.pop(env_key, None)
+        upcoming = {}  # the next batch's resets: env key -> (task, group, id)
+        for (t, g), u in zip(prefetch, ahead_ids):
+            env_key = (id(self), "ahead", u, time.perf_counter_ns())
+            upcoming[env_key] = (int(t), int(g), u)
+            self.pool.submit_reset(env_key, self.family_name, int(t), max_steps=cfg.max_rounds)
         need_row: list[_Episode] = []  # got o_0, waiting for a sampler row
         ready: list[_Episode] = []  # row holds everything up to a generation prompt
         live = len(episodes)
@@ -188,11 +214,17 @@ class RolloutRunner:
             while live:
                 t0 = time.perf_counter()
                 if cfg.sync:
-                    results = sorted(self.pool.wait_all(), key=lambda r: ids[r.episode].index)
+                    results = self.pool.wait_all()
                 else:
                     results = self.pool.poll(0.0)
                     if not results and self.pool.pending() and (hold > 0 or not (ready or need_row)):
                         results = self.pool.poll(min(hold, 1.0) if hold > 0 else cfg.poll_interval)
+                for r in [r for r in results if r.episode in upcoming]:
+                    self._early[r.episode] = r
+                results = early + [r for r in results if r.episode not in upcoming]
+                early = []
+                if cfg.sync:
+                    results.sort(key=lambda r: ids[r.episode].index)
                 stats.env_wait_s += time.perf_counter() - t0
                 for r in results:
                     ep = ids[r.episode]
@@ -226,10 +258,17 @@ class RolloutRunner:
                     took = time.perf_counter() - t_gen
                     self._generate_s = took if not self._generate_s else 0.8 * self._generate_s + 0.2 * took
                     ready.clear()
+        except BaseException:
+            for env_key in upcoming:
+                self.pool.release(env_key)
+                self._early.pop(env_key, None)
+            upcoming = {}
+            raise
         finally:
             for ep in episodes:
                 if not ep.done or ep.row is not None:
                     self._abandon(ep, state)
+            self._ahead = {v: k for k, v in upcoming.items()}
         stats.wall_s = time.perf_counter() - t_start
         return [self._trajectory(ep) for ep in episodes], stats
 

@@ -162,14 +162,18 @@ class Trainer:
                             stream_every=c.rollout.stream_every)
         return RolloutRunner(self.sampler, self.pool, c.env.family, self.family, self.chat, cfg)
 
-    def rollout(self, runner: RolloutRunner, plan: list[tuple[int, int]], key) -> tuple[list, Any]:
+    def rollout(self, runner: RolloutRunner, plan: list[tuple[int, int]], key,
+                next_plan: list[tuple[int, int]] = ()) -> tuple[list, Any]:
         """Plays `plan` (episode i samples with key folded with i): each host its share, with its
         own pool and sampler; returns every episode's trajectory (plan order, on every host) and the
-        rollout stats of all hosts together."""
+        rollout stats of all hosts together. `next_plan`: the batch `runner` plays next, whose
+        environments then reset during this batch and the train step after it."""
         share = distributed.process_share(len(plan))
+        ahead = distributed.process_share(len(next_plan))
         self.replica.refresh()
         key = jax.random.wrap_key_data(np.asarray(jax.random.key_data(key)), impl=jax.random.key_impl(key))
-        trajs, stats = runner.run(plan[share], key, episode_ids=range(share.start, share.stop))
+        trajs, stats = runner.run(plan[share], key, episode_ids=range(share.start, share.stop),
+                                  prefetch=next_plan[ahead], prefetch_ids=range(ahead.start, ahead.stop))
         return distributed.gather_shares(trajs), RolloutStats.combined(distributed.allgather_objects(stats))
 
     def task_iterator(self):
@@ -273,11 +277,25 @@ class Trainer:
         train_runner = self.runner("train")
         bar = _progress(start, c.train.steps, enabled=progress and self.is_main)
         summary: dict[str, Any] = {}
+        plan_of = lambda step, ids: [(t, step * len(ids) + i) for i, t in enumerate(ids)  # noqa: E731
+                                     for _ in range(c.rollout.group_size)]
+        evaluates = lambda step: c.eval.every and (step % c.eval.every == 0 or step == c.train.steps)  # noqa: E731
+        peeked = None  # the next step's task ids and the data state after them, when prefetched
         for step in range(start, c.train.steps):
             t0 = time.time()
-            task_ids = [int(t) for t in next(tasks_it)]
-            plan = [(t, step * len(task_ids) + i) for i, t in enumerate(task_ids) for _ in range(c.rollout.group_size)]
-            trajs, rstats = self.rollout(train_runner, plan, jax.random.fold_in(base_key, step))
+            if peeked is None:
+                task_ids = [int(t) for t in next(tasks_it)]
+                data_state = tasks_it.get_state()
+            else:
+                (task_ids, data_state), peeked = peeked, None
+            plan = plan_of(step, task_ids)
+            # the next batch's environments reset during this one, unless an evaluation (another
+            # runner on the same pool) comes between them
+            next_plan = []
+            if c.rollout.prefetch_resets and step + 1 < c.train.steps and not evaluates(step + 1):
+                peeked = [int(t) for t in next(tasks_it)], tasks_it.get_state()
+                next_plan = plan_of(step + 1, peeked[0])
+            trajs, rstats = self.rollout(train_runner, plan, jax.random.fold_in(base_key, step), next_plan)
             t1 = time.time()
             examples = build_examples(trajs, self.chat, self.forecast_cfg) if self.forecast_cfg else []
             mbs, host = build_minibatches(trajs, examples, self.spec, self.loss_cfg,
@@ -291,8 +309,8 @@ class Trainer:
             if (step + 1) % c.checkpoint.every == 0 or step + 1 == c.train.steps:
                 state = {"params": nnx.state(self.model, nnx.Param), "optimizer": nnx.state(learner.optimizer),
                          "rng": base_key}
-                ckpt.save(step + 1, state, data_state=tasks_it.get_state(), config=json.loads(c.to_json()))
-            if c.eval.every and ((step + 1) % c.eval.every == 0 or step + 1 == c.train.steps):
+                ckpt.save(step + 1, state, data_state=data_state, config=json.loads(c.to_json()))
+            if evaluates(step + 1):
                 summary = self.evaluate(step + 1)
                 bar.note(f"eval step {step + 1}: succ {summary['succ']:.3f} score {summary['score']:.3f}")
         ckpt.wait()

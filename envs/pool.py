@@ -216,11 +216,13 @@ class EnvPool:
         self._dispatch(ep.worker)
 
     def release(self, episode: Hashable) -> None:
-        """End an episode early (e.g. the round limit was hit); frees its slot."""
+        """End an episode early (e.g. the round limit was hit); frees its slot. A result of it not
+        yet returned by poll() is dropped."""
         ep = self._episodes.get(episode)
         if ep is None or ep.released:
             return
         ep.released = True
+        self._ready = [r for r in self._ready if r.episode != episode]
         if ep.worker is None:  # its reset still waits for a slot: withdraw it
             queue = self._waiting[ep.family]
             for req in [r for r in queue if r.episode == episode]:

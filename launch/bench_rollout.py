@@ -8,15 +8,18 @@ For each family, three measurements of the same episodes, in the same run (after
 that compiles the sampler's shapes and warms the environments, e.g. the JVM's JIT):
 
 - `wall_s`: the real rollout, `RolloutRunner` with the asynchronous pool (`sync=False`; turns
-  streamed, each action sent to its environment as soon as its turn ends);
+  streamed, each action sent to its environment as soon as its turn ends), in the steady state of
+  training: its environments were reset during the batch before it (`prefetch`), and it resets
+  the next batch's. `cold_wall_s`: the same batch from cold (its resets inside it);
 - `sampling_s`: pure sampling, the same rollout against a pool that answers at once with the
   recorded results (no environment work). Episodes sample with per-episode keys, so the sampler
   generates the same turns (`gen_tokens` of both lines);
 - `env_s`: pure environment time, the recorded actions replayed through the same pool (same
   workers, same slots) with no model, each episode's next action sent as soon as its result is in.
 
-`overlap = wall_s / max(sampling_s, env_s)`: 1.0 means environment steps hide completely behind
-decoding (or the reverse); `wall_s / (sampling_s + env_s)` near 1 means none do. A lockstep
+`overlap = wall_s / max(sampling_s, env_s)` (`cold_overlap` from `cold_wall_s`): 1.0 means
+environment time hides completely behind decoding (or the reverse); `wall_s / (sampling_s + env_s)`
+near 1 means none does. A lockstep
 rollout (`sync=True`, no overlap by design) is reported as `sync_wall_s` for reference. Each time is
 the best of `repeats`, with the CPU time it took (`*_cpu_s`: this process and the environment
 workers with what they started, e.g. ScienceWorld's JVMs). Where decoding and the environments
@@ -228,8 +231,10 @@ def measure(family_name: str, model, tokenizer, style: str, eos_ids) -> dict:
     with EnvPool({family_name: workers}, envs_per_worker=slots) as pool:
         runner = RolloutRunner(sampler, pool, family_name, family, chat, cfg)
         lockstep = RolloutRunner(sampler, pool, family_name, family, chat, dataclasses.replace(cfg, sync=True))
+        ids = range(len(plan))
         for _ in range(WARMUP_PASSES):  # compiles, starts and warms the environments
             before = _COMPILE["s"]
+            runner.run(plan, key, prefetch=plan, prefetch_ids=ids)
             trajs, _ = runner.run(plan, key)
             RolloutRunner(sampler, ReplayPool(trajs), family_name, family, chat, cfg).run(plan, key)
             lockstep.run(plan, key)
@@ -238,7 +243,13 @@ def measure(family_name: str, model, tokenizer, style: str, eos_ids) -> dict:
         compile_before = _COMPILE["s"]
         wall = lambda out: out[1].wall_s  # noqa: E731
         for _ in range(FLAGS.rollout_repeats):
-            trajs, stats = timed("wall_s", lambda: runner.run(plan, key), wall)
+            timed("cold_wall_s", lambda: runner.run(plan, key), wall)
+            # the steady state of training: this batch's environments were reset during the batch
+            # before it, and it resets the next one's
+            runner.run(plan, key, prefetch=plan, prefetch_ids=ids)
+            trajs, stats = timed("wall_s", lambda: runner.run(plan, key, prefetch=plan, prefetch_ids=ids), wall)
+            runner.run([], key)  # releases the last prefetch
+            pool.wait_all()  # and lets its resets finish before the next measurement
             replay = RolloutRunner(sampler, ReplayPool(trajs), family_name, family, chat, cfg)
             _, rstats = timed("sampling_s", lambda: replay.run(plan, key), wall)
             _, env_steps = timed("env_s", lambda: replay_actions(pool, family_name, trajs, FLAGS.rollout_rounds),
@@ -258,6 +269,7 @@ def measure(family_name: str, model, tokenizer, style: str, eos_ids) -> dict:
     out["sum_s"] = round(secs["sampling_s"] + secs["env_s"], 3)
     longer = max(secs["sampling_s"], secs["env_s"])
     out["overlap"] = round(secs["wall_s"] / longer, 3)
+    out["cold_overlap"] = round(secs["cold_wall_s"] / longer, 3)
     out["wall_over_sum"] = round(secs["wall_s"] / out["sum_s"], 3)
     # decoding and environments share this machine's cores: the rollout needs at least their CPU
     # time over the cores, whatever the schedule (on an accelerator host they do not compete)

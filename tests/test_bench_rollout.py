@@ -39,7 +39,7 @@ def test_the_line_puts_the_rollout_next_to_its_parts():
     assert line["family"] == "builtin" and line["env_steps"] == line["env_steps_replayed"] == 8
     # a quarter of the vocabulary ends a turn: most turns stop before the 4-token cap
     assert 0 < line["gen_tokens"] < 4 * 2 * 4
-    for k in ("wall_s", "sampling_s", "env_s", "sync_wall_s"):
+    for k in ("wall_s", "cold_wall_s", "sampling_s", "env_s", "sync_wall_s"):
         assert line[k] > 0 and line[k.replace("_s", "_cpu_s")] > 0
     assert line["overlap"] == pytest.approx(line["wall_s"] / max(line["sampling_s"], line["env_s"]), rel=0.02)
     assert line["cpus"] == len(os.sched_getaffinity(0)) and line["overlap_floor"] >= 1.0

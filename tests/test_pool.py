@@ -74,6 +74,20 @@ def test_release_frees_the_slot_for_a_waiting_reset():
             pool.submit_step("a", "look")
 
 
+def test_release_drops_a_result_not_yet_polled():
+    a, b = FAM.task_ids("test")[:2]
+    with EnvPool({"builtin": 1}, envs_per_worker=2) as pool:
+        pool.submit_reset("a", "builtin", a)
+        pool.submit_reset("b", "builtin", b)
+        deadline = time.monotonic() + 30
+        while len(pool._ready) < 2 and time.monotonic() < deadline:
+            pool._pump(0.1)  # both results reach the pool, neither is polled yet
+        pool.release("a")  # e.g. a prefetched reset whose batch did not come
+        assert [r.episode for r in pool.poll(0.0)] == ["b"]
+        with pytest.raises(KeyError):
+            pool.submit_step("a", "look")
+
+
 def test_caller_mistakes_raise():
     tid = FAM.task_ids("test")[0]
     with pytest.raises(ValueError, match="envs_per_worker"):

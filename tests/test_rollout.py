@@ -156,6 +156,49 @@ def test_actions_reach_the_environment_while_longer_turns_decode(setup):
     assert sorted(in_trajs) == sampled
 
 
+@pytest.mark.parametrize("sync", [False, True])
+def test_prefetched_resets_are_picked_up_by_the_next_batch(setup, sync):
+    """run(..., prefetch=next batch): the next batch's environments reset during this one; the next
+    run plays them without resetting again and samples exactly what a cold run samples; a run of
+    other episodes releases what was prefetched for it."""
+    tok, chat, sampler, pool = setup
+    resets = []
+
+    class Counted:
+        def __getattr__(self, name):
+            return getattr(pool, name)
+
+        def submit_reset(self, episode, family, task_id, max_steps=None):
+            resets.append(task_id)
+            pool.submit_reset(episode, family, task_id, max_steps=max_steps)
+
+    cfg = RolloutConfig(max_rounds=3, max_turn_tokens=6, sync=sync)
+    runner = RolloutRunner(sampler, Counted(), "builtin", FAMILY, chat, cfg)
+    ids = FAMILY.task_ids("train")
+    first, second, other = [(t, 0) for t in ids[:3]], [(t, 1) for t in ids[3:9]], [(t, 2) for t in ids[9:11]]
+    key = jax.random.key(4)
+    runner.run(first, key, prefetch=second, prefetch_ids=range(10, 16))
+    assert sorted(resets) == sorted(t for t, _ in first + second)
+    resets.clear()
+    warm, _ = runner.run(second, key, episode_ids=range(10, 16))
+    assert resets == []  # every episode of the batch was already reset
+    cold, _ = RolloutRunner(sampler, pool, "builtin", FAMILY, chat, cfg).run(second, key, episode_ids=range(10, 16))
+    for a, b in zip(warm, cold):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        assert a.observations == b.observations and a.finish_reason == b.finish_reason
+    # prefetched for a batch that does not come: released, and the other batch plays normally
+    runner.run(first, key, prefetch=second)
+    resets.clear()
+    played, _ = runner.run(other, key)
+    assert sorted(resets) == sorted(t for t, _ in other) and len(played) == 2
+    assert all(t.finish_reason in ("done", "max_rounds") for t in played)
+    again, _ = runner.run(second, key, episode_ids=range(10, 16))  # every slot is free again
+    for a, b in zip(again, cold):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+    with pytest.raises(ValueError, match="prefetch_ids"):
+        runner.run(first, key, prefetch=second, prefetch_ids=range(2))
+
+
 class OneResultPerPoll:
     """The pool, handing out its results one per poll: environment results trickling in."""
 
