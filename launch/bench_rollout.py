@@ -2,15 +2,17 @@
 
   python -m launch.bench --suite=rollout [--rollout_families=builtin,sciworld] [--rollout_workers=4]
       [--rollout_envs_per_worker=2] [--rollout_episodes=16] [--rollout_rounds=8]
-      [--rollout_turn_tokens=24] [--rollout_turn_end=0.08] [--rollout_repeats=3] [--rollout_model=DIR]
+      [--rollout_turn_tokens=24] [--rollout_turn_end=0.08] [--rollout_update_s=1] [--rollout_repeats=3]
+      [--rollout_model=DIR]
 
 For each family, three measurements of the same episodes, in the same run (after a warm-up pass
 that compiles the sampler's shapes and warms the environments, e.g. the JVM's JIT):
 
 - `wall_s`: the real rollout, `RolloutRunner` with the asynchronous pool (`sync=False`; turns
   streamed, each action sent to its environment as soon as its turn ends), in the steady state of
-  training: its environments were reset during the batch before it (`prefetch`), and it resets
-  the next batch's. `cold_wall_s`: the same batch from cold (its resets inside it);
+  training: its environments were reset during the batch before it and the train step after that
+  (`prefetch`; the train step is a pause of `--rollout_update_s`), and it resets the next batch's.
+  `cold_wall_s`: the same batch from cold (its resets inside it);
 - `sampling_s`: pure sampling, the same rollout against a pool that answers at once with the
   recorded results (no environment work). Episodes sample with per-episode keys, so the sampler
   generates the same turns (`gen_tokens` of both lines);
@@ -56,6 +58,9 @@ flags.DEFINE_integer("rollout_rounds", 8, "Environment steps per episode (max ro
 flags.DEFINE_integer("rollout_turn_tokens", 24, "Generation cap per assistant turn.")
 flags.DEFINE_integer("rollout_repeats", 3, "Measurements; the best is reported.")
 flags.DEFINE_string("rollout_model", "", "HF or Orbax model directory (default: a random tiny model).")
+flags.DEFINE_float("rollout_update_s", 1.0,
+                   "Seconds between the batch before and the measured steady-state batch: the train step "
+                   "during which the measured batch's prefetched environments reset.")
 flags.DEFINE_float("rollout_turn_end", 0.08,
                    "Random policy only: the fraction of the vocabulary that ends a turn, so turns end at "
                    "uneven lengths as a trained policy's do (0: every turn runs to --rollout_turn_tokens).")
@@ -247,6 +252,7 @@ def measure(family_name: str, model, tokenizer, style: str, eos_ids) -> dict:
             # the steady state of training: this batch's environments were reset during the batch
             # before it, and it resets the next one's
             runner.run(plan, key, prefetch=plan, prefetch_ids=ids)
+            time.sleep(FLAGS.rollout_update_s)  # the train step
             trajs, stats = timed("wall_s", lambda: runner.run(plan, key, prefetch=plan, prefetch_ids=ids), wall)
             runner.run([], key)  # releases the last prefetch
             pool.wait_all()  # and lets its resets finish before the next measurement
@@ -264,7 +270,8 @@ def measure(family_name: str, model, tokenizer, style: str, eos_ids) -> dict:
     out = {"suite": "rollout", "family": family_name, "workers": workers, "envs_per_worker": slots, "rows": rows,
            "episodes": len(plan), "env_steps": stats.env_steps, "env_steps_replayed": env_steps,
            "gen_tokens": stats.generated_tokens, "gen_tokens_replayed": rstats.generated_tokens,
-           "turn_end": FLAGS.rollout_turn_end, **{k: round(v, 3) for k, v in secs.items()},
+           "turn_end": FLAGS.rollout_turn_end, "update_s": FLAGS.rollout_update_s,
+           **{k: round(v, 3) for k, v in secs.items()},
            "compile_s": round(_COMPILE["s"] - compile_before, 3), "unclean": unclean}
     out["sum_s"] = round(secs["sampling_s"] + secs["env_s"], 3)
     longer = max(secs["sampling_s"], secs["env_s"])
@@ -281,6 +288,8 @@ def measure(family_name: str, model, tokenizer, style: str, eos_ids) -> dict:
 
 def run(argv) -> None:
     del argv
+    if FLAGS.rollout_update_s < 0:
+        raise app.UsageError(f"--rollout_update_s must be >= 0, got {FLAGS.rollout_update_s}")
     model, tokenizer, style, eos_ids = _policy()
     for family in FLAGS.rollout_families:
         print(json.dumps(measure(family, model, tokenizer, style, eos_ids)), flush=True)

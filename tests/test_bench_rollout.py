@@ -12,7 +12,8 @@ from launch.bench_rollout import _cpu_s
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--suite=rollout", "--rollout_families=builtin", "--rollout_episodes=4", "--rollout_rounds=2",
-         "--rollout_turn_tokens=4", "--rollout_repeats=1", "--rollout_workers=2", "--rollout_envs_per_worker=1"]
+         "--rollout_turn_tokens=4", "--rollout_repeats=1", "--rollout_workers=2", "--rollout_envs_per_worker=1",
+         "--rollout_update_s=0.2"]
 
 
 def _bench(*flags):
@@ -50,3 +51,5 @@ def test_bad_flags_are_refused():
     assert out.returncode != 0 and "--rollout_turn_end must be in [0, 1)" in out.stderr
     out = _bench("--rollout_turn_end=0.1", "--rollout_model=nowhere")
     assert out.returncode != 0 and "a --rollout_model ends its own turns" in out.stderr
+    out = _bench("--rollout_update_s=-1")
+    assert out.returncode != 0 and "--rollout_update_s must be >= 0" in out.stderr
