@@ -58,6 +58,8 @@ flags.DEFINE_integer("rollout_rounds", 8, "Environment steps per episode (max ro
 flags.DEFINE_integer("rollout_turn_tokens", 24, "Generation cap per assistant turn.")
 flags.DEFINE_integer("rollout_repeats", 3, "Measurements; the best is reported.")
 flags.DEFINE_string("rollout_model", "", "HF or Orbax model directory (default: a random tiny model).")
+flags.DEFINE_integer("rollout_stream_every", 0, "Decode steps between hand-offs of finished turns "
+                     "(0: RolloutConfig's default).")
 flags.DEFINE_float("rollout_update_s", 1.0,
                    "Seconds between the batch before and the measured steady-state batch: the train step "
                    "during which the measured batch's prefetched environments reset.")
@@ -218,6 +220,8 @@ def measure(family_name: str, model, tokenizer, style: str, eos_ids) -> dict:
     sampler = Sampler(model, batch_size=rows, max_len=MAX_LEN, eos_ids=eos_ids)
     cfg = RolloutConfig(max_rounds=FLAGS.rollout_rounds, max_turn_tokens=FLAGS.rollout_turn_tokens,
                         temperature=1.0)
+    if FLAGS.rollout_stream_every:
+        cfg = dataclasses.replace(cfg, stream_every=FLAGS.rollout_stream_every)
     key = jax.random.key(0)
     best: dict[str, tuple[float, float]] = {}  # measurement -> (seconds, CPU seconds) of its best run
     compiled: dict[str, tuple[float, float]] = {}  # the same among runs that compiled
@@ -270,7 +274,7 @@ def measure(family_name: str, model, tokenizer, style: str, eos_ids) -> dict:
     out = {"suite": "rollout", "family": family_name, "workers": workers, "envs_per_worker": slots, "rows": rows,
            "episodes": len(plan), "env_steps": stats.env_steps, "env_steps_replayed": env_steps,
            "gen_tokens": stats.generated_tokens, "gen_tokens_replayed": rstats.generated_tokens,
-           "turn_end": FLAGS.rollout_turn_end, "update_s": FLAGS.rollout_update_s,
+           "turn_end": FLAGS.rollout_turn_end, "stream_every": cfg.stream_every, "update_s": FLAGS.rollout_update_s,
            **{k: round(v, 3) for k, v in secs.items()},
            "compile_s": round(_COMPILE["s"] - compile_before, 3), "unclean": unclean}
     out["sum_s"] = round(secs["sampling_s"] + secs["env_s"], 3)
