@@ -183,6 +183,8 @@ class RolloutRunner:
         ahead_ids = range(len(prefetch)) if prefetch_ids is None else [int(u) for u in prefetch_ids]
         if len(ahead_ids) != len(prefetch):
             raise ValueError(f"{len(ahead_ids)} prefetch_ids for {len(prefetch)} episodes")
+        if len(set(ahead_ids)) != len(ahead_ids):
+            raise ValueError("prefetch_ids repeat an id")
         episodes = [_Episode(i, int(t), int(g), uid=u, family=self.family_name)
                     for i, ((t, g), u) in enumerate(zip(tasks, uids))]
         ids = {}

@@ -339,8 +339,8 @@ class Sampler:
         on_finish(i, tokens, logprobs, finish_reason) streams the turns: it is called for request
         i as soon as its turn has ended, checked every `stream_every` steps, while the other rows
         go on decoding (the rollout hands the action to its environment there). The tokens do not
-        depend on streaming. It must not call this sampler; the returned Generation still holds
-        every row.
+        depend on streaming. Of this sampler it may only call `free` (its row's episode ended);
+        the returned Generation still holds every row.
         """
         rows = self._check_rows(state, np.flatnonzero(state.live) if rows is None else rows, None, live=True)
         n = len(rows)

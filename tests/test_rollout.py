@@ -197,6 +197,8 @@ def test_prefetched_resets_are_picked_up_by_the_next_batch(setup, sync):
         np.testing.assert_array_equal(a.tokens, b.tokens)
     with pytest.raises(ValueError, match="prefetch_ids"):
         runner.run(first, key, prefetch=second, prefetch_ids=range(2))
+    with pytest.raises(ValueError, match="prefetch_ids repeat"):
+        runner.run(first, key, prefetch=second[:2], prefetch_ids=[7, 7])
 
 
 class OneResultPerPoll:
