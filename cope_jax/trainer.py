@@ -277,9 +277,13 @@ class Trainer:
         train_runner = self.runner("train")
         bar = _progress(start, c.train.steps, enabled=progress and self.is_main)
         summary: dict[str, Any] = {}
-        plan_of = lambda step, ids: [(t, step * len(ids) + i) for i, t in enumerate(ids)  # noqa: E731
-                                     for _ in range(c.rollout.group_size)]
-        evaluates = lambda step: c.eval.every and (step % c.eval.every == 0 or step == c.train.steps)  # noqa: E731
+
+        def plan_of(step: int, ids: list[int]) -> list[tuple[int, int]]:
+            return [(t, step * len(ids) + i) for i, t in enumerate(ids) for _ in range(c.rollout.group_size)]
+
+        def evaluates(step: int) -> bool:  # after step `step` (1-based)
+            return bool(c.eval.every) and (step % c.eval.every == 0 or step == c.train.steps)
+
         peeked = None  # the next step's task ids and the data state after them, when prefetched
         for step in range(start, c.train.steps):
             t0 = time.time()
