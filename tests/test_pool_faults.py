@@ -191,6 +191,7 @@ def test_no_orphans_when_the_parent_is_interrupted_or_killed(how):
         if how == "sigkill":
             proc.kill()
         err = None
+        time.sleep(0.3)  # most likely blocked in poll by now (anywhere else must work too)
         for _ in range(30):  # Ctrl-C, pressed again each 2 s until the parent is gone
             if how == "sigint":
                 proc.send_signal(signal.SIGINT)
