@@ -365,36 +365,40 @@ class Sampler:
         steps = _bucket(max(1, int(max_steps.max())), power_buckets(16, self.max_len))
         window = _bucket(max(1, int((state.cached[rows] + max_steps).max())), self.windows)
         knobs = {k: lay(v, _IDLE_ROW_KNOBS[k]) for k, v in knobs.items()}
-        counts, reported = np.zeros(n, np.int64), max_steps <= 0
-        if on_finish is not None:  # rows with no room left end at once
+        reported = max_steps <= 0  # rows with no room left end at once
+        if on_finish is not None:
             for i in np.flatnonzero(reported):
                 on_finish(int(i), np.zeros(0, np.int32), np.zeros(0, np.float32), FINISH_REASONS[limit_code[i]])
-        run = _new_run(*_decode_start(state.cache, state.pending, lay.rows, window=window, compact=self.compact),
-                       lay(max_steps, 0), lay(limit_code, 0), steps, stops.shape[1])
-        chunk, until = (stream_every if on_finish is not None else steps), 0
-        try:
-            while not reported.all():
-                if until >= steps:
-                    raise RuntimeError("decode loop ended with rows still running")  # max_steps <= steps
-                until = min(until + chunk, steps)
-                graphdef, params, weights = self._params()
-                run = _decode_loop(graphdef, params, weights, run, np.int32(until), knobs, lay(max_steps, 0),
-                                   lay(limit_code, 0), eos, stops, keys[lay(np.arange(n), 0)])
-                done, now = (np.asarray(run[k])[lay.index] for k in ("done", "n"))
-                new = np.flatnonzero(done & ~reported)
-                reported |= done
-                if on_finish is not None and len(new):
-                    toks, lps, codes = (np.asarray(run[k])[lay.index] for k in ("tokens", "logprobs", "code"))
-                    for i in new:
-                        on_finish(int(i), toks[i, :now[i]].astype(np.int32), lps[i, :now[i]].astype(np.float32),
-                                  FINISH_REASONS[codes[i]])
-        finally:  # the cache holds what was decoded, even if a callback raised
-            state.cache, state.pending = _decode_end(state.cache, state.pending, run["cache"], run["pending"],
-                                                     lay.rows, window=window, compact=self.compact,
-                                                     shardings=self._shardings)
-            counts = np.asarray(run["n"])[lay.index].astype(np.int64)
-            state.cached[rows] += np.where(state.live[rows], counts, 0)  # a callback may free its row
-        toks, lps, codes = (np.asarray(run[k])[lay.index] for k in ("tokens", "logprobs", "code"))
+        if reported.all():
+            toks, lps = np.zeros((n, 0), np.int32), np.zeros((n, 0), np.float32)
+            counts, codes = np.zeros(n, np.int64), limit_code
+        else:
+            graphdef, params, weights = self._params()
+            args = (knobs, lay(max_steps, 0), lay(limit_code, 0), eos, stops, keys[lay(np.arange(n), 0)])
+            run = _new_run(*_decode_start(state.cache, state.pending, lay.rows, window=window, compact=self.compact),
+                           lay(max_steps, 0), lay(limit_code, 0), steps, stops.shape[1])
+            chunk, until = (stream_every if on_finish is not None else steps), 0
+            try:
+                while not reported.all():
+                    if until >= steps:
+                        raise RuntimeError("decode loop ended with rows still running")  # max_steps <= steps
+                    until = min(until + chunk, steps)
+                    run = _decode_loop(graphdef, params, weights, run, np.int32(until), *args)
+                    done, now = (np.asarray(run[k])[lay.index] for k in ("done", "n"))
+                    new = np.flatnonzero(done & ~reported)
+                    reported |= done
+                    if on_finish is not None and len(new):
+                        toks, lps, codes = (np.asarray(run[k])[lay.index] for k in ("tokens", "logprobs", "code"))
+                        for i in new:
+                            on_finish(int(i), toks[i, :now[i]].astype(np.int32),
+                                      lps[i, :now[i]].astype(np.float32), FINISH_REASONS[codes[i]])
+            finally:  # the cache holds what was decoded, even if a callback raised
+                state.cache, state.pending = _decode_end(state.cache, state.pending, run["cache"], run["pending"],
+                                                         lay.rows, window=window, compact=self.compact,
+                                                         shardings=self._shardings)
+                counts = np.asarray(run["n"])[lay.index].astype(np.int64)
+                state.cached[rows] += np.where(state.live[rows], counts, 0)  # a callback may free its row
+            toks, lps, codes = (np.asarray(run[k])[lay.index] for k in ("tokens", "logprobs", "code"))
         return Generation(rows=[int(r) for r in rows],
                           tokens=[toks[i, :counts[i]].astype(np.int32) for i in range(n)],
                           logprobs=[lps[i, :counts[i]].astype(np.float32) for i in range(n)],
