@@ -23,9 +23,10 @@ def _bench(*flags):
 
 def test_cpu_time_counts_the_environment_workers():
     with EnvPool({"builtin": 2}) as pool:
-        pool.submit_reset("e", "builtin", 0)
-        assert pool.poll(timeout=60)  # both workers are up (starting them costs CPU: imports)
-        workers = _cpu_s(pool) - time.process_time()
+        for ep in ("a", "b"):  # one per worker: both are up and idle after this
+            pool.submit_reset(ep, "builtin", 0)
+        assert len(pool.wait_all(timeout=60)) == 2
+        workers = _cpu_s(pool) - time.process_time()  # starting them cost CPU (imports)
         assert workers > 0.05
         t0, c0 = time.process_time(), _cpu_s(pool)
         while time.process_time() - t0 < 0.2:  # this process burns 0.2 s
