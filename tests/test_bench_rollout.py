@@ -27,7 +27,7 @@ def test_cpu_time_counts_the_environment_workers():
             pool.submit_reset(ep, "builtin", 0)
         assert len(pool.wait_all(timeout=60)) == 2
         workers = _cpu_s(pool) - time.process_time()  # starting them cost CPU (imports)
-        assert workers > 0.05
+        assert workers > 0.02  # without the workers, ~0 (this process is subtracted)
         t0, c0 = time.process_time(), _cpu_s(pool)
         while time.process_time() - t0 < 0.2:  # this process burns 0.2 s
             pass
