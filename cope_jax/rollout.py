@@ -189,9 +189,8 @@ class RolloutRunner:
                     for i, ((t, g), u) in enumerate(zip(tasks, uids))]
         ids = {}
         early = []  # first observations of prefetched episodes that arrived before this run
-        ahead, self._ahead = self._ahead, {}
         for ep in episodes:
-            ep.env_key = ahead.pop((ep.task_id, ep.group_id, ep.uid), None)
+            ep.env_key = self._ahead.pop((ep.task_id, ep.group_id, ep.uid), None)
             ep.in_env = True
             if ep.env_key is None:
                 ep.env_key = (id(self), ep.index, time.perf_counter_ns())
@@ -199,14 +198,12 @@ class RolloutRunner:
             elif ep.env_key in self._early:
                 early.append(self._early.pop(ep.env_key))
             ids[ep.env_key] = ep
-        for env_key in ahead.values():  # prefetched for a batch that did not come
-            self.pool.release(env_key)
-            self._early.pop(env_key, None)
-        upcoming = {}  # the next batch's resets: env key -> (task, group, id)
-        for (t, g), u in zip(prefetch, ahead_ids):
+        self.cancel_prefetch()  # what is left was prefetched for a batch that did not come
+        for (t, g), u in zip(prefetch, ahead_ids):  # the next batch's resets
             env_key = (id(self), "ahead", u, time.perf_counter_ns())
-            upcoming[env_key] = (int(t), int(g), u)
+            self._ahead[(int(t), int(g), u)] = env_key
             self.pool.submit_reset(env_key, self.family_name, int(t), max_steps=cfg.max_rounds)
+        upcoming = set(self._ahead.values())
         need_row: list[_Episode] = []  # got o_0, waiting for a sampler row
         ready: list[_Episode] = []  # row holds everything up to a generation prompt
         live = len(episodes)
@@ -261,18 +258,22 @@ class RolloutRunner:
                     self._generate_s = took if not self._generate_s else 0.8 * self._generate_s + 0.2 * took
                     ready.clear()
         except BaseException:
-            for env_key in upcoming:
-                self.pool.release(env_key)
-                self._early.pop(env_key, None)
-            upcoming = {}
+            self.cancel_prefetch()  # the next batch may not come
             raise
         finally:
             for ep in episodes:
                 if not ep.done or ep.row is not None:
                     self._abandon(ep, state)
-            self._ahead = {v: k for k, v in upcoming.items()}
         stats.wall_s = time.perf_counter() - t_start
         return [self._trajectory(ep) for ep in episodes], stats
+
+    def cancel_prefetch(self) -> None:
+        """Releases the environments prefetched for a next run (e.g. before another runner uses the
+        pool)."""
+        for env_key in self._ahead.values():
+            self.pool.release(env_key)
+            self._early.pop(env_key, None)
+        self._ahead = {}
 
     def _on_env_result(self, ep: _Episode, r, state, need_row, ready) -> int:
         """Records a reset/step result; returns 1 if the episode ended."""

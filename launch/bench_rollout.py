@@ -258,7 +258,7 @@ def measure(family_name: str, model, tokenizer, style: str, eos_ids) -> dict:
             runner.run(plan, key, prefetch=plan, prefetch_ids=ids)
             time.sleep(FLAGS.rollout_update_s)  # the train step
             trajs, stats = timed("wall_s", lambda: runner.run(plan, key, prefetch=plan, prefetch_ids=ids), wall)
-            runner.run([], key)  # releases the last prefetch
+            runner.cancel_prefetch()
             pool.wait_all()  # and lets its resets finish before the next measurement
             replay = RolloutRunner(sampler, ReplayPool(trajs), family_name, family, chat, cfg)
             _, rstats = timed("sampling_s", lambda: replay.run(plan, key), wall)

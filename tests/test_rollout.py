@@ -195,6 +195,11 @@ def test_prefetched_resets_are_picked_up_by_the_next_batch(setup, sync):
     again, _ = runner.run(second, key, episode_ids=range(10, 16))  # every slot is free again
     for a, b in zip(again, cold):
         np.testing.assert_array_equal(a.tokens, b.tokens)
+    runner.run(first, key, prefetch=second, prefetch_ids=range(10, 16))
+    runner.cancel_prefetch()  # e.g. an evaluation needs the pool
+    resets.clear()
+    runner.run(second, key, episode_ids=range(10, 16))
+    assert sorted(resets) == sorted(t for t, _ in second)  # reset again: nothing was kept
     with pytest.raises(ValueError, match="prefetch_ids"):
         runner.run(first, key, prefetch=second, prefetch_ids=range(2))
     with pytest.raises(ValueError, match="prefetch_ids repeat"):
