@@ -20,17 +20,19 @@ Only process 0 writes logs, plots and reports; Orbax checkpoints are written by 
 """
 from __future__ import annotations
 
+import functools
 import pickle
 from typing import Any, Sequence
 
 import jax
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import models
 from models import qwen
+
+HOSTS_AXIS = "hosts"  # the axis of a group of devices with one device per process
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -113,6 +115,7 @@ class LocalReplica:
         if len({b.shape for b in blocks}) != 1:
             raise ValueError(f"hosts own differently shaped blocks of the mesh {dict(mesh.shape)}")
         hosts = np.stack(blocks)
+        _connect_groups(hosts.reshape(len(blocks), -1).T)  # this reshard's groups: a device's peers on other hosts
         self._host_mesh = Mesh(hosts, (self.HOST_AXIS,) + tuple(mesh.axis_names),
                                axis_types=(mesh.axis_types[0],) + tuple(mesh.axis_types))
         params = nnx.state(model, nnx.Param)
@@ -148,11 +151,59 @@ def allgather_objects(obj: Any) -> list[Any]:
     if jax.process_count() == 1:
         return [obj]
     data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
-    sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int64))).reshape(-1)
-    padded = np.zeros(int(sizes.max()), np.uint8)
+    sizes = _host_allgather(np.array([data.size], np.int64))[:, 0]
+    # a power-of-two width: a handful of compiled gathers over a run, not one per batch size
+    padded = np.zeros(max(1024, 1 << int(sizes.max() - 1).bit_length()), np.uint8)
     padded[:data.size] = data
-    stacked = np.asarray(multihost_utils.process_allgather(padded))
+    stacked = _host_allgather(padded)
     return [pickle.loads(stacked[p, :int(sizes[p])].tobytes()) for p in range(len(sizes))]
+
+
+def _host_allgather(row: np.ndarray, mesh: Mesh | None = None) -> np.ndarray:
+    """[processes, n]: every process's 1-D `row` (same length and dtype on all), on every process.
+
+    One device per host takes part (`multihost_utils.process_allgather` gathers on every local
+    device): the hosts' bytes cross once, and the gather is one group of devices (see
+    `_connect_groups` for why that matters on CPU). `mesh`: the group, one device per process along
+    `HOSTS_AXIS` (default: each process's first device).
+    """
+    mesh = _hosts_mesh() if mesh is None else mesh
+    local = jax.device_put(row[None], mesh.devices[jax.process_index()])
+    stacked = jax.make_array_from_single_device_arrays(
+        (mesh.size,) + row.shape, NamedSharding(mesh, PartitionSpec(HOSTS_AXIS)), [local])
+    return np.asarray(_replicate_on(mesh)(stacked).addressable_data(0))
+
+
+@functools.cache
+def _hosts_mesh() -> Mesh:
+    """The first device of each process, in process order."""
+    return _group_mesh([jax.local_devices(process_index=p)[0] for p in range(jax.process_count())])
+
+
+def _group_mesh(devices: Sequence[jax.Device]) -> Mesh:
+    """One device per process (in process order) along `HOSTS_AXIS`."""
+    return Mesh(np.array(devices), (HOSTS_AXIS,), axis_types=(AxisType.Explicit,))
+
+
+def _connect_groups(groups: np.ndarray) -> None:
+    """Opens the cross-host device groups `groups` [group, process] one at a time, in one order.
+
+    On CPU, processes exchange collectives over gloo, which connects a group of devices on its first
+    use. A program whose collective spans several new groups at once (a reshard replicated over
+    hosts: one group per local device) has each process connect them from its own threads, and
+    two processes can then each wait on a group the other has not reached until gloo's 30 s
+    deadline (a CI run timed out so, in a gather over two groups). One small gather per group first, in the same order on every
+    host, leaves nothing for the bigger program to connect. Accelerators need none of it.
+    """
+    if jax.process_count() == 1 or jax.default_backend() != "cpu":
+        return
+    for group in groups:
+        _host_allgather(np.zeros(1, np.uint8), _group_mesh(list(group)))
+
+
+@functools.cache
+def _replicate_on(mesh: Mesh):
+    return jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
 def broadcast_object(obj: Any) -> Any:
@@ -170,7 +221,7 @@ def replicate(tree, mesh: Mesh | None):
     holds the same global array and Orbax saves it once."""
     if mesh is None:
         return tree
-    replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
+    replicated = NamedSharding(mesh, PartitionSpec())
 
     def one(x):  # from host values: device_put does not take one process's device array to a global mesh
         if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):

@@ -8,10 +8,12 @@ destination exactly as it was.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 import tempfile
 import uuid
+import zlib
 
 from models.safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointError
 
@@ -99,25 +101,43 @@ def atomic_output_dir(dst: str, *, overwrite: bool = False):
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _broadcast_name(name: str | None) -> str:
-    """Process 0's directory name on every process (fixed-width bytes through a collective)."""
-    import numpy as np
-    from jax.experimental import multihost_utils
+# how long a host waits for the others at a directory's barriers (large checkpoints write slowly)
+SYNC_TIMEOUT_S = 3600
+_syncs = itertools.count()
 
-    width = 256
-    data = np.zeros(width, np.uint8)
-    if name is not None:
-        raw = name.encode()
-        data[:len(raw)] = np.frombuffer(raw, np.uint8)
-    out = np.asarray(multihost_utils.broadcast_one_to_all(data))
-    return out[out > 0].tobytes().decode()
+
+def _coordination_client():
+    """The multi-controller runtime's coordination service (barriers and a key-value store): host
+    file work needs no device collective. Orbax reaches the same client the same way."""
+    from jax._src import distributed
+
+    if distributed.global_state.client is None:
+        raise RuntimeError("several JAX processes but jax.distributed is not initialized")
+    return distributed.global_state.client
+
+
+def _broadcast_name(name: str | None) -> str:
+    """Process 0's directory name on every process."""
+    import jax
+
+    client, key = _coordination_client(), f"cope_jax/model_dir/{next(_syncs)}/name"
+    if jax.process_index() == 0:
+        client.key_value_set(key, name)
+        return name
+    return client.blocking_key_value_get(key, SYNC_TIMEOUT_S * 1000)
 
 
 def _barrier(what: str, hosts: int) -> None:
     if hosts > 1:
-        from jax.experimental import multihost_utils
+        import jax
 
-        multihost_utils.sync_global_devices(what)
+        try:
+            # the name is part of the id: hosts at different barriers wait for each other, then fail
+            barrier = f"cope_jax/model_dir/{next(_syncs)}/{zlib.crc32(what.encode()):08x}"
+            _coordination_client().wait_at_barrier(barrier, SYNC_TIMEOUT_S * 1000)
+        except Exception as e:  # the runtime's error says little about which wait it was
+            raise RuntimeError(f"process {jax.process_index()}: not every process reached '{what}' within "
+                               f"{SYNC_TIMEOUT_S} s (one is hung, died or runs another program): {e}") from e
 
 
 def _set_default_mode(path: str) -> None:

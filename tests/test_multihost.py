@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -57,26 +58,47 @@ def _records(workdir):
     return out
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """(one-process workdir, two-process workdir, the two processes' outputs); the three run at once."""
-    base = tmp_path_factory.mktemp("multihost")
-    one, two = str(base / "one"), str(base / "two")
-    cmd = [sys.executable, "-m", "launch.train"]
-    port = _free_port()
-    multi = [cmd + _config_flags(two) + ["--multihost", f"--coordinator_address=localhost:{port}",
-                                         "--num_processes=2", f"--process_id={i}"] for i in range(2)]
+# The CPU processes' collectives run over gloo, whose group rendezvous gives up after 30 s; on this
+# 2-core machine, loaded by the rest of the suite, one in a few dozen runs loses it (a CI run did).
+# That is a fault of the test transport (TPU and GPU hosts do not use gloo), so such a run is
+# repeated once, with a warning; any other failure fails the test.
+GLOO_RENDEZVOUS_LOST = "Gloo context initialization failed"
+
+
+def _launch(jobs):
+    """Runs [(args, devices)] at once; [(returncode, output)]."""
     procs = [subprocess.Popen(args, env=_env(devices), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True)
-             for args, devices in [(cmd + _config_flags(one), 4), (multi[0], 2), (multi[1], 2)]]
+                              text=True) for args, devices in jobs]
     try:
         outs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
     finally:
         for p in procs:
             p.kill()
-    for name, p, out in zip(("single", "process 0", "process 1"), procs, outs):
-        assert p.returncode == 0, f"{name} failed:\n{out[-3000:]}"
-    return one, two, outs[1:]
+    return [(p.returncode, out) for p, out in zip(procs, outs)]
+
+
+def _multihost(workdir):
+    port = _free_port()
+    cmd = [sys.executable, "-m", "launch.train"] + _config_flags(workdir)
+    return [(cmd + ["--multihost", f"--coordinator_address=localhost:{port}", "--num_processes=2",
+                    f"--process_id={i}"], 2) for i in range(2)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(one-process workdir, two-process workdir, the two processes' outputs); the three run at once."""
+    base = tmp_path_factory.mktemp("multihost")
+    one, two = str(base / "one"), str(base / "two")
+    results = _launch([([sys.executable, "-m", "launch.train"] + _config_flags(one), 4)] + _multihost(two))
+    if any(code and GLOO_RENDEZVOUS_LOST in out for code, out in results[1:]):
+        warnings.warn("the two-process run lost a gloo rendezvous; running it again:\n"
+                      + "\n".join(out[-2000:] for _, out in results[1:]))
+        two = str(base / "two-again")
+        results[1:] = _launch(_multihost(two))
+    failed = [f"{name} failed (exit {code}):\n{out[-3000:]}"
+              for name, (code, out) in zip(("single", "process 0", "process 1"), results) if code]
+    assert not failed, "\n\n".join(failed)
+    return one, two, [out for _, out in results[1:]]
 
 
 def test_two_processes_train_like_one(runs):
@@ -99,3 +121,41 @@ def test_checkpoints_from_all_processes_and_one_log(runs):
     assert sorted(os.listdir(os.path.join(two, "warmstart"))) == ["config.json", "generation_config.json", "params"]
     assert [json.loads(l)["workdir"] for l in outs[0].splitlines() if l.startswith("{")] == [two]
     assert not [l for l in outs[1].splitlines() if l.startswith("{\"workdir\"")]
+
+
+_SYNC_SCRIPT = r"""
+import sys
+from cope_jax import distributed
+from models import model_dir
+
+pid, port = int(sys.argv[1]), sys.argv[2]
+distributed.initialize(f"localhost:{port}", 2, pid)
+# objects of different sizes per host, one past the smallest padded width, one gather per call
+out = [distributed.allgather_objects({"host": pid, "blob": b"x" * (pid * 3000 + n)}) for n in (1, 2000)]
+assert [[o["host"] for o in g] for g in out] == [[0, 1], [0, 1]], out
+assert [len(o["blob"]) for o in out[1]] == [2000, 5000]
+assert distributed.broadcast_object("from 0" if pid == 0 else None) == "from 0"
+assert distributed.gather_shares([pid] * (pid + 1)) == [0, 1, 1]
+assert model_dir._broadcast_name("dir-of-0" if pid == 0 else None) == "dir-of-0"
+model_dir._barrier("same on both", 2)
+model_dir.SYNC_TIMEOUT_S = 3
+try:
+    model_dir._barrier(f"only process {pid} is here", 2)
+except RuntimeError as e:
+    print("REFUSED", e)
+else:
+    print("PASSED a barrier the other process never reached")
+"""
+
+
+def test_host_exchanges_and_barriers(tmp_path):
+    """The host-side exchanges between processes (objects over one device per host, directory names
+    and barriers over the coordination service), and a barrier only one process reaches fails with
+    a message instead of hanging."""
+    script = tmp_path / "sync.py"
+    script.write_text(_SYNC_SCRIPT)
+    port = _free_port()
+    results = _launch([([sys.executable, str(script), str(i), str(port)], 2) for i in range(2)])
+    for i, (_, out) in enumerate(results):
+        refused = [l for l in out.splitlines() if l.startswith("REFUSED")]
+        assert refused and f"reached 'only process {i} is here' within 3 s" in refused[0], out[-3000:]
