@@ -188,12 +188,13 @@ def _group_mesh(devices: Sequence[jax.Device]) -> Mesh:
 def _connect_groups(groups: np.ndarray) -> None:
     """Opens the cross-host device groups `groups` [group, process] one at a time, in one order.
 
-    On CPU, processes exchange collectives over gloo, which connects a group of devices on its first
-    use. A program whose collective spans several new groups at once (a reshard replicated over
-    hosts: one group per local device) has each process connect them from its own threads, and
-    two processes can then each wait on a group the other has not reached until gloo's 30 s
-    deadline (a CI run timed out so, in a gather over two groups). One small gather per group first, in the same order on every
-    host, leaves nothing for the bigger program to connect. Accelerators need none of it.
+    On CPU, processes exchange collectives over gloo, which connects a group of devices on its
+    first use. A program whose collective spans several new groups at once (a reshard replicated
+    over hosts: one group per local device) has each process connect them from its own threads,
+    and two processes can then each wait on a group the other has not reached until gloo's 30 s
+    deadline (a CI run timed out so, in a gather over two groups). One small gather per group
+    first, in the same order on every host, leaves nothing for the bigger program to connect.
+    Accelerators need none of it.
     """
     if jax.process_count() == 1 or jax.default_backend() != "cpu":
         return
