@@ -132,7 +132,11 @@ class LocalReplica:
             nnx.update(self.model, self._local_view(nnx.state(self.policy, nnx.Param)))
 
     def _local_view(self, params):
-        gathered = self._gather(params)
+        # Waited for: its collectives run on the cross-host groups that `allgather_objects` uses
+        # too, and a program in flight there while the next one starts may pair their messages
+        # (seen on CPU: one host's gather received the other's parameter shard). The sampler
+        # needs the parameters before it can start anyway.
+        gathered = jax.block_until_ready(self._gather(params))
         return jax.tree.map(
             lambda a, s: jax.make_array_from_single_device_arrays(a.shape, s, [x.data for x in a.addressable_shards]),
             gathered, self._local_shardings)

@@ -77,6 +77,13 @@ def _launch(jobs):
     return [(p.returncode, out) for p, out in zip(procs, outs)]
 
 
+def _excerpt(out):
+    """The first Python traceback of a process's output (where it went wrong) and its end."""
+    first = out.find("Traceback (most recent call last)")
+    head = out[first:first + 4000] + "\n[...]\n" if 0 <= first < len(out) - 4000 else ""
+    return head + out[-3000:]
+
+
 def _multihost(workdir):
     port = _free_port()
     cmd = [sys.executable, "-m", "launch.train"] + _config_flags(workdir)
@@ -95,7 +102,7 @@ def runs(tmp_path_factory):
                       + "\n".join(out[-2000:] for _, out in results[1:]))
         two = str(base / "two-again")
         results[1:] = _launch(_multihost(two))
-    failed = [f"{name} failed (exit {code}):\n{out[-3000:]}"
+    failed = [f"{name} failed (exit {code}):\n{_excerpt(out)}"
               for name, (code, out) in zip(("single", "process 0", "process 1"), results) if code]
     assert not failed, "\n\n".join(failed)
     return one, two, [out for _, out in results[1:]]
