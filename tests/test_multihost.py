@@ -80,7 +80,7 @@ def _launch(jobs):
 def _excerpt(out):
     """The first Python traceback of a process's output (where it went wrong) and its end."""
     first = out.find("Traceback (most recent call last)")
-    head = out[first:first + 4000] + "\n[...]\n" if 0 <= first < len(out) - 4000 else ""
+    head = out[first:first + 4000] + "\n[...]\n" if 0 <= first < len(out) - 3000 else ""  # else the end shows it
     return head + out[-3000:]
 
 
