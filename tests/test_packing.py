@@ -135,13 +135,21 @@ def test_records_validate_their_arrays():
     assert t.tokens.dtype == np.int32 and t.action_mask.dtype == bool and t.num_steps == 1
 
 
-def _trajectories(successes, lengths):
+def _trajectories(successes, lengths, acting=None):
+    """Random trajectories; each has an action token after its first (it carries policy loss) unless
+    `acting[i]` is False, where it has none. Own generator: under xdist a test's share of the module
+    RNG depends on which tests ran before it on its worker."""
+    rng = np.random.RandomState(sum(lengths))
     out = []
     for i, (g, y) in enumerate(successes):
         n = lengths[i]
-        kind = RNG.randint(0, 3, n)
+        kind = rng.randint(0, 3, n)
         kind[0] = 0
-        out.append(Trajectory(tokens=RNG.randint(1, 50, n), action_mask=kind == 1, obs_mask=kind == 2,
+        if acting is None or acting[i]:
+            kind[-1] = 1
+        else:
+            kind[kind == 1] = 2
+        out.append(Trajectory(tokens=rng.randint(1, 50, n), action_mask=kind == 1, obs_mask=kind == 2,
                               success=y, group_id=g))
     return out
 
@@ -170,6 +178,17 @@ def test_minibatch_weights_are_normalized_over_the_whole_minibatch():
     assert np.all(b.advantage[~b.action_mask] == 0)
     starts = (b.positions == 0) & (b.segment_ids > 0)
     assert np.all(b.pg_weight[starts] == 0) and np.all(b.target_weight[starts] == 0)
+
+
+def test_a_trajectory_without_actions_leaves_the_mean_to_the_others():
+    successes = [(0, 1), (0, 0), (1, 0), (1, 1)]
+    trajs = _trajectories(successes, [9, 12, 7, 10], acting=[True, False, True, True])
+    mbs, _ = batching.build_minibatches(trajs, [], methods.get_method("grpo"), methods.LossConfig(),
+                                        groups_per_minibatch=2, row_len=16, rows_per_micro=2)
+    b = mbs[0].batch
+    assert b.pg_weight[b.traj_index == 1].sum() == 0
+    for i in (0, 2, 3):
+        assert b.pg_weight[b.traj_index == i].sum() == pytest.approx(1 / 3, rel=1e-5)
 
 
 def test_sequential_af_mode_and_rft_selection():
