@@ -199,6 +199,11 @@ def _cpu_s(pool) -> float:
     return total + time.process_time()
 
 
+def _seconds(v: float) -> float:
+    """4 significant digits: a fixed number of decimals turns the small runs' millisecond times into 0."""
+    return float(f"{v:.4g}")
+
+
 def _tasks(family, n: int) -> list[tuple[int, int]]:
     ids = family.task_ids("test")
     step = max(1, len(ids) // n)
@@ -275,16 +280,17 @@ def measure(family_name: str, model, tokenizer, style: str, eos_ids) -> dict:
            "episodes": len(plan), "env_steps": stats.env_steps, "env_steps_replayed": env_steps,
            "gen_tokens": stats.generated_tokens, "gen_tokens_replayed": rstats.generated_tokens,
            "turn_end": FLAGS.rollout_turn_end, "stream_every": cfg.stream_every, "update_s": FLAGS.rollout_update_s,
-           **{k: round(v, 3) for k, v in secs.items()},
+           **{k: _seconds(v) for k, v in secs.items()},
            "compile_s": round(_COMPILE["s"] - compile_before, 3), "unclean": unclean}
-    out["sum_s"] = round(secs["sampling_s"] + secs["env_s"], 3)
+    total = secs["sampling_s"] + secs["env_s"]
+    out["sum_s"] = _seconds(total)
     longer = max(secs["sampling_s"], secs["env_s"])
     out["overlap"] = round(secs["wall_s"] / longer, 3)
     out["cold_overlap"] = round(secs["cold_wall_s"] / longer, 3)
-    out["wall_over_sum"] = round(secs["wall_s"] / out["sum_s"], 3)
+    out["wall_over_sum"] = round(secs["wall_s"] / total, 3)
     # decoding and environments share this machine's cores: the rollout needs at least their CPU
     # time over the cores, whatever the schedule (on an accelerator host they do not compete)
-    out.update({f"{k[:-2]}_cpu_s": round(v[1], 3) for k, v in best.items()}, cpus=cpus)
+    out.update({f"{k[:-2]}_cpu_s": _seconds(v[1]) for k, v in best.items()}, cpus=cpus)
     out["overlap_floor"] = round(max(longer, (best["sampling_s"][1] + best["env_s"][1]) / cpus) / longer, 3)
     out["load_avg_1m"] = round(os.getloadavg()[0], 2)
     return out
