@@ -9,7 +9,11 @@ import models
 from models import qwen
 from tests.hf_fixtures import TINY_CONFIGS, hf_logits, make_tiny_hf
 
-RNG = np.random.RandomState(0)
+
+@pytest.fixture
+def rng():
+    """Each test's own tokens: a module-wide generator's draws depend on which tests ran before."""
+    return np.random.RandomState(0)
 
 
 @pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
@@ -27,9 +31,9 @@ def _forward(model, tokens, segment_ids=None, positions=None):
         None if positions is None else jnp.asarray(positions)))
 
 
-def test_logits_match_transformers(tiny):
+def test_logits_match_transformers(tiny, rng):
     _, torch_model, model, cfg = tiny
-    tokens = RNG.randint(0, cfg.vocab_size, (3, 17))
+    tokens = rng.randint(0, cfg.vocab_size, (3, 17))
     ref = hf_logits(torch_model, tokens)
     out = _forward(model, tokens)
     assert out.shape == (3, 17, cfg.vocab_size) and out.dtype == np.float32
@@ -38,10 +42,10 @@ def test_logits_match_transformers(tiny):
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
-def test_padded_batch_matches_transformers(tiny, side):
+def test_padded_batch_matches_transformers(tiny, rng, side):
     _, torch_model, model, cfg = tiny
     lengths, T = [13, 7, 2], 13
-    tokens = RNG.randint(0, cfg.vocab_size, (3, T))
+    tokens = rng.randint(0, cfg.vocab_size, (3, T))
     mask = np.zeros((3, T), np.int32)
     for b, n in enumerate(lengths):
         mask[b, :n] = 1
@@ -53,9 +57,9 @@ def test_padded_batch_matches_transformers(tiny, side):
     np.testing.assert_allclose(out[real], ref[real], atol=1e-4, rtol=0)
 
 
-def test_packed_rows_equal_sequences_alone(tiny):
+def test_packed_rows_equal_sequences_alone(tiny, rng):
     _, _, model, cfg = tiny
-    seqs = [RNG.randint(0, cfg.vocab_size, n) for n in (9, 4, 6)]
+    seqs = [rng.randint(0, cfg.vocab_size, n) for n in (9, 4, 6)]
     row = np.concatenate(seqs + [np.zeros(5, np.int64)])[None]
     seg = np.concatenate([np.full(len(s), i + 1) for i, s in enumerate(seqs)] + [np.zeros(5)])[None]
     packed = _forward(model, row, segment_ids=seg.astype(np.int32))[0]
@@ -66,14 +70,14 @@ def test_packed_rows_equal_sequences_alone(tiny):
         start += len(s)
 
 
-def test_branches_see_their_prefix_of_the_trunk_only(tiny):
+def test_branches_see_their_prefix_of_the_trunk_only(tiny, rng):
     """A tree segment (trunk + branches continuing its prefixes) computes each branch as the
     sequence prefix + branch would alone; the trunk is unaffected by its branches."""
     _, _, model, cfg = tiny
-    trunk = RNG.randint(0, cfg.vocab_size, 12)
-    branches = [(5, RNG.randint(0, cfg.vocab_size, 4)), (9, RNG.randint(0, cfg.vocab_size, 3)),
-                (5, RNG.randint(0, cfg.vocab_size, 2))]
-    tokens = np.concatenate([RNG.randint(0, cfg.vocab_size, 3), trunk] + [b for _, b in branches] + [[0, 0]])
+    trunk = rng.randint(0, cfg.vocab_size, 12)
+    branches = [(5, rng.randint(0, cfg.vocab_size, 4)), (9, rng.randint(0, cfg.vocab_size, 3)),
+                (5, rng.randint(0, cfg.vocab_size, 2))]
+    tokens = np.concatenate([rng.randint(0, cfg.vocab_size, 3), trunk] + [b for _, b in branches] + [[0, 0]])
     seg = np.r_[[1] * 3, [2] * (len(tokens) - 5), [0, 0]]
     branch_ids = np.r_[[0] * 15, np.concatenate([np.full(len(b), i + 1) for i, (_, b) in enumerate(branches)]),
                        [0, 0]]
@@ -88,11 +92,11 @@ def test_branches_see_their_prefix_of_the_trunk_only(tiny):
         start += len(b)
 
 
-def test_scanned_looped_and_remat_are_identical(tiny):
+def test_scanned_looped_and_remat_are_identical(tiny, rng):
     directory, _, model, cfg = tiny
     looped, _ = models.load_hf_model(directory, scan_layers=False)
     remat, _ = models.load_hf_model(directory, remat="full")
-    tokens = jnp.asarray(RNG.randint(0, cfg.vocab_size, (2, 11)))
+    tokens = jnp.asarray(rng.randint(0, cfg.vocab_size, (2, 11)))
     np.testing.assert_allclose(_forward(looped, tokens), _forward(model, tokens), atol=1e-5, rtol=0)
 
     def loss(m, t):
@@ -109,7 +113,6 @@ def test_bf16_close_to_fp32(tiny):
     directory, _, model, cfg = tiny
     bf16, _ = models.load_hf_model(directory, dtype="bfloat16")
     assert bf16.layers.q_proj[...].dtype == jnp.bfloat16
-    # its own seed: with the module's shared RNG the tokens (and the KL) depended on test order
     tokens = np.random.RandomState(16).randint(0, cfg.vocab_size, (2, 16))
     lp32 = jax.nn.log_softmax(_forward(model, tokens))
     lp16 = jax.nn.log_softmax(_forward(bf16, tokens))
@@ -119,12 +122,12 @@ def test_bf16_close_to_fp32(tiny):
 
 
 @pytest.mark.parametrize("decode_layout", [False, True])
-def test_kv_cache_prefill_decode_equals_full_forward(tiny, decode_layout):
+def test_kv_cache_prefill_decode_equals_full_forward(tiny, rng, decode_layout):
     """Stored layout (scanned stacked weights) and the decode layout (per-layer fused [out, in]
     matrices, the sampler's CPU path) both equal the full forward."""
     _, _, model, cfg = tiny
     T = 12
-    tokens = RNG.randint(0, cfg.vocab_size, (2, T))
+    tokens = rng.randint(0, cfg.vocab_size, (2, T))
     full = _forward(model, tokens)
     prompt_len = np.array([5, 3])
     cache = models.KVCache.zeros(cfg, batch=2, max_len=16)

@@ -8,12 +8,16 @@ from cope_jax import batching, methods, packing
 from cope_jax.advantages import forecast_weights
 from cope_jax.trajectory import ForecastExample, Trajectory
 
-RNG = np.random.RandomState(0)
+def _tokens(seed, n):
+    """Random data from the caller's seed, never a module-wide generator: under xdist its draws
+    would depend on which tests ran before on the same worker."""
+    return np.random.RandomState(seed).randint(1, 50, n)
 
 
 def _segment(n, index):
-    return packing.Segment(tokens=RNG.randint(1, 100, n), index=index, action_mask=RNG.rand(n) < 0.5,
-                           old_logp=RNG.randn(n), advantage=RNG.randn(n), pg_weight=RNG.rand(n))
+    rng = np.random.RandomState(100 * n + index)
+    return packing.Segment(tokens=rng.randint(1, 100, n), index=index, action_mask=rng.rand(n) < 0.5,
+                           old_logp=rng.randn(n), advantage=rng.randn(n), pg_weight=rng.rand(n))
 
 
 def test_first_fit_decreasing():
@@ -137,8 +141,7 @@ def test_records_validate_their_arrays():
 
 def _trajectories(successes, lengths, acting=None):
     """Random trajectories; each has an action token after its first (it carries policy loss) unless
-    `acting[i]` is False, where it has none. Own generator: under xdist a test's share of the module
-    RNG depends on which tests ran before it on its worker."""
+    `acting[i]` is False, where it has none."""
     rng = np.random.RandomState(sum(lengths))
     out = []
     for i, (g, y) in enumerate(successes):
@@ -158,7 +161,7 @@ def test_minibatch_weights_are_normalized_over_the_whole_minibatch():
     successes = [(0, 1), (0, 0), (1, 0), (1, 0), (2, 1), (2, 1)]
     trajs = _trajectories(successes, [9, 14, 7, 11, 20, 6])
     w = forecast_weights([y for _, y in successes], [g for g, _ in successes])
-    exs = [ForecastExample(tokens=RNG.randint(1, 50, 8), target_mask=[0] * 5 + [1] * 3, weight=w[i],
+    exs = [ForecastExample(tokens=_tokens(i, 8), target_mask=[0] * 5 + [1] * 3, weight=w[i],
                            group_id=g, source=i, step=0) for i, (g, y) in enumerate(successes) if y]
     cfg = methods.LossConfig()
     mbs, stats = batching.build_minibatches(trajs, exs, methods.get_method("cope"), cfg,
@@ -194,7 +197,7 @@ def test_a_trajectory_without_actions_leaves_the_mean_to_the_others():
 def test_sequential_af_mode_and_rft_selection():
     successes = [(0, 1), (0, 0), (1, 1), (1, 1)]
     trajs = _trajectories(successes, [10, 10, 10, 10])
-    exs = [ForecastExample(tokens=RNG.randint(1, 50, 6), target_mask=[0, 0, 0, 1, 1, 1], weight=1.0,
+    exs = [ForecastExample(tokens=_tokens(0, 6), target_mask=[0, 0, 0, 1, 1, 1], weight=1.0,
                            group_id=0, source=0, step=0)]
     seq = methods.LossConfig(af_mode="sequential")
     mbs, _ = batching.build_minibatches(trajs, exs, methods.get_method("cope"), seq,
