@@ -8,6 +8,7 @@ from cope_jax import batching, methods, packing
 from cope_jax.advantages import forecast_weights
 from cope_jax.trajectory import ForecastExample, Trajectory
 
+
 def _tokens(seed, n):
     """Random data from the caller's seed, never a module-wide generator: under xdist its draws
     would depend on which tests ran before on the same worker."""
