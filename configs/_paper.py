@@ -10,7 +10,7 @@ PAPER_ENVS = {
     "sciworld": dict(rounds=(20, 30), turn_tokens=512, minibatch_tasks=8, steps=300, max_len=16384),
     "tau2": dict(rounds=(50, 50), turn_tokens=1024, minibatch_tasks=8, steps=50, max_len=24576),
     "appworld": dict(rounds=(30, 30), turn_tokens=1024, minibatch_tasks=16, steps=100, max_len=34816,
-                     kl_coef=1e-2),
+                     kl_coef=1e-2, policy="Qwen2.5-14B-Instruct"),
 }
 
 
@@ -21,7 +21,8 @@ def paper_config(env: str, method: str):
     c.rollout.update(max_turn_tokens=p["turn_tokens"], max_len=p["max_len"])
     c.train.update(minibatch_tasks=p["minibatch_tasks"], steps=p["steps"], row_len=p["max_len"],
                    kl_coef=p.get("kl_coef", 1e-3))
-    # Qwen2.5-7B-Instruct (14B for AppWorld), converted with launch.convert; set --config.model.path
-    c.model.update(init="pretrained", path="")
+    # Qwen2.5-7B-Instruct (14B for AppWorld), converted with launch.convert; set --config.model.path.
+    # The preset names the architecture, so `launch.plan` plans the run without the weights.
+    c.model.update(init="pretrained", path="", preset=p.get("policy", "Qwen2.5-7B-Instruct"))
     c.tokenizer = "model"
     return c

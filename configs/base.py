@@ -22,6 +22,9 @@ def base_config(method: str = "cope") -> ml_collections.ConfigDict:
     c.model = ml_collections.ConfigDict(dict(
         path="",  # HF or Orbax directory (e.g. a converted Qwen2.5-7B-Instruct)
         init="pretrained",  # 'pretrained' (load `path`) | 'random'
+        # init='random': a named architecture (models/presets.py) instead of the fields below;
+        # `launch.plan` also plans it when `path` is empty
+        preset="",
         dtype="bfloat16", param_dtype="float32", scan_layers=True, remat="dots",
         # architecture, used only when init='random'
         family="qwen3", vocab_size=0, hidden_size=0, intermediate_size=0, num_layers=0,
@@ -51,7 +54,9 @@ def base_config(method: str = "cope") -> ml_collections.ConfigDict:
         steps=100, learning_rate=1e-6, weight_decay=0.01, clip_norm=1.0, b1=0.9, b2=0.999,
         lr_warmup_steps=0,  # optimizer steps of linear warm-up (0: the paper's constant rate)
         minibatch_tasks=2,  # PPO mini-batch in tasks (Table 9: 2 or 8 tasks' worth)
-        row_len=16384, rows_per_micro=1,  # packing: [rows, row_len] per micro-batch
+        # packing: [rows, row_len] per micro-batch; rows_per_micro 0 = one row per device of the
+        # mesh's batch axes (data x fsdp): fewer rows are computed on every device of a group
+        row_len=16384, rows_per_micro=0,
         clip_low=0.2, clip_high=0.2, dual_clip=0.0,  # dual clip c (0 = off; SPEC: 3.0 when on)
         kl_coef=1e-3, entropy_coef=1e-3, agg_mode="seq-mean-token-mean",
         af_coef=0.01, af_mode="joint", af_norm="success_groups", horizon=-1,  # -1: the method's K

@@ -21,6 +21,7 @@ Only process 0 writes logs, plots and reports; Orbax checkpoints are written by 
 from __future__ import annotations
 
 import functools
+import math
 import pickle
 from typing import Any, Sequence
 
@@ -31,6 +32,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import models
 from models import qwen
+from models import sharding as shd
 
 HOSTS_AXIS = "hosts"  # the axis of a group of devices with one device per process
 
@@ -48,11 +50,13 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                                process_id=process_id, initialization_timeout=timeout_s)
 
 
-def run_mesh(shape: Sequence[int]) -> Mesh | None:
-    """The (data, fsdp, tp) mesh of `config.mesh`; -1 takes the remaining devices. A mesh of one
-    device means no mesh (plain single-device arrays). On several hosts the mesh must span every
-    device, and each host's devices must form a block of it (`local_mesh`)."""
-    n = jax.device_count()
+def run_mesh(shape: Sequence[int], devices: Sequence[jax.Device] | None = None) -> Mesh | None:
+    """The (data, fsdp, tp) mesh of `config.mesh` over `devices` (default: every device of every
+    host; the planner passes a topology's); -1 takes the remaining devices. A mesh of one device
+    means no mesh (plain single-device arrays). On several hosts the mesh must span every device,
+    and each host's devices must form a block of it (`local_mesh`)."""
+    devices = list(jax.devices() if devices is None else devices)
+    n, hosts = len(devices), len({d.process_index for d in devices})
     shape = list(shape)
     if shape.count(-1) > 1:
         raise ValueError(f"config.mesh {tuple(shape)}: at most one -1")
@@ -64,14 +68,38 @@ def run_mesh(shape: Sequence[int]) -> Mesh | None:
     size = int(np.prod(shape))
     if size > n:
         raise ValueError(f"config.mesh {tuple(shape)} needs {size} devices, have {n}")
-    if jax.process_count() > 1 and size != n:
+    if hosts > 1 and size != n:
         raise ValueError(f"config.mesh {tuple(shape)} uses {size} of the {n} devices of "
-                         f"{jax.process_count()} hosts: a multi-host mesh must use them all")
+                         f"{hosts} hosts: a multi-host mesh must use them all")
     if size == 1:
         return None
-    mesh = models.make_mesh(tuple(shape), devices=jax.devices()[:size])
-    _process_block(mesh)  # fail at setup, not at the first rollout
+    if hosts == 1:
+        mesh = models.make_mesh(tuple(shape), devices=devices[:size])
+    else:
+        mesh = Mesh(_host_blocks(shape, devices, hosts), shd.MESH_AXES, axis_types=(AxisType.Auto,) * len(shape))
+    for process in sorted({d.process_index for d in devices}):
+        _process_block(mesh, process)  # fail at setup, not at the first rollout
     return mesh
+
+
+def _host_blocks(shape: Sequence[int], devices, hosts: int) -> np.ndarray:
+    """The devices arranged as `shape` with each host's devices a block (the sampler's local mesh):
+    a host takes the innermost axes first (all of tp, then fsdp, then data), and the hosts tile the
+    rest. Within a host the order follows the chips' links (`create_hybrid_device_mesh`); a plain
+    physical order (`jax.make_mesh`) snakes a long fsdp axis across hosts."""
+    from jax.experimental import mesh_utils
+
+    left, local = len(devices) // hosts, []
+    for size in reversed(shape):
+        take = math.gcd(int(size), left)
+        local.insert(0, take)
+        left //= take
+    if left != 1:
+        raise ValueError(f"config.mesh {tuple(shape)} cannot give each of {hosts} hosts a block of its "
+                         f"{len(devices) // hosts} devices")
+    outer = [int(s) // n for s, n in zip(shape, local)]
+    return mesh_utils.create_hybrid_device_mesh(local, outer, devices, process_is_granule=True,
+                                                allow_split_physical_axes=True)
 
 
 def _process_block(mesh: Mesh, process: int | None = None) -> tuple[slice, ...]:
@@ -87,9 +115,9 @@ def _process_block(mesh: Mesh, process: int | None = None) -> tuple[slice, ...]:
     return box
 
 
-def local_mesh(mesh: Mesh) -> Mesh:
-    """This process's block of `mesh`, with the same axis names and types."""
-    return Mesh(mesh.devices[_process_block(mesh)], mesh.axis_names, axis_types=mesh.axis_types)
+def local_mesh(mesh: Mesh, process: int | None = None) -> Mesh:
+    """One process's block of `mesh` (default: this one's), with the same axis names and types."""
+    return Mesh(mesh.devices[_process_block(mesh, process)], mesh.axis_names, axis_types=mesh.axis_types)
 
 
 class LocalReplica:

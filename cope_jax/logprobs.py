@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from models import loops
 from models import sharding as shd
 
 
@@ -98,7 +99,7 @@ def _local_fwd(h, w, targets, *, chunk, temperature, with_entropy, vocab_axes):
             ent = jnp.zeros_like(lse)
         return None, (logp, ent, lse)
 
-    _, out = jax.lax.scan(body, None, (_to_chunks(h, chunk), _to_chunks(targets, chunk)))
+    _, out = loops.scan("chunks", body, None, (_to_chunks(h, chunk), _to_chunks(targets, chunk)))
     return tuple(_from_chunks(a) for a in out)
 
 
@@ -123,7 +124,7 @@ def _local_bwd(h, w, targets, lse, ent, g_logp, g_ent, *, chunk, temperature, wi
         return dw, _psum(dh, vocab_axes).astype(hc.dtype)
 
     xs = tuple(_to_chunks(a, chunk) for a in (h, targets, lse, ent, g_logp, g_ent))
-    dw, dh = jax.lax.scan(body, jnp.zeros(w.shape, jnp.float32), xs)
+    dw, dh = loops.scan("chunks", body, jnp.zeros(w.shape, jnp.float32), xs)
     return _from_chunks(dh), _psum(dw, row_axes).astype(w.dtype)
 
 

@@ -185,6 +185,14 @@ def _decode_end(cache, pending, sub, sub_pending, rows, *, window: int, compact:
     return _constrain(_put(cache, pending, sub, sub_pending, rows, window, compact), shardings)
 
 
+def _abstract_window(cache: KVCache, pending, rows, *, window: int, compact: bool):
+    """`_decode_start`'s result as abstract arrays in the cache's layout (for lowering)."""
+    sub, sub_pending = _decode_start.eval_shape(cache, pending, rows, window=window, compact=compact)
+    like = lambda a, ref: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=ref.sharding)
+    return (KVCache(k=like(sub.k, cache.k), v=like(sub.v, cache.v), lengths=like(sub.lengths, cache.lengths)),
+            like(sub_pending, pending))
+
+
 def _new_run(cache: KVCache, pending, max_steps: np.ndarray, limit_code: np.ndarray, steps: int, tail: int) -> dict:
     """A turn before its first step (see `_decode_loop`): the window's cache and pending tokens
     (`_decode_start`) and host arrays for the rest."""
@@ -373,10 +381,8 @@ class Sampler:
             toks, lps = np.zeros((n, 0), np.int32), np.zeros((n, 0), np.float32)
             counts, codes = np.zeros(n, np.int64), limit_code
         else:
-            graphdef, params, weights = self._params()
-            args = (knobs, lay(max_steps, 0), lay(limit_code, 0), eos, stops, keys[lay(np.arange(n), 0)])
-            run = _new_run(*_decode_start(state.cache, state.pending, lay.rows, window=window, compact=self.compact),
-                           lay(max_steps, 0), lay(limit_code, 0), steps, stops.shape[1])
+            graphdef, params, weights, run, args = self._turn_inputs(state, lay, knobs, max_steps, limit_code, eos,
+                                                                     stops, keys, window=window, steps=steps)
             chunk, until = (stream_every if on_finish is not None else steps), 0
             try:
                 while not reported.all():
@@ -413,26 +419,74 @@ class Sampler:
             return
         lengths = np.array([len(a) for a in appends], np.int64)
         lay = self._layout(np.array(rows))
-        graphdef, params, weights = self._params()
         chunk = self.chunks[-1]
         n_chunks = max(1, -(-int(lengths.max()) // chunk))
+        n = len(rows)
         for c in range(n_chunks):
             part = [a[c * chunk:(c + 1) * chunk] for a in appends]
             counts = np.array([len(p) for p in part], np.int64)
             T = _bucket(max(1, int(counts.max())), self.chunks)
-            tokens = np.zeros((len(rows), T), np.int32)
+            tokens = np.zeros((n, T), np.int32)
             for i, p in enumerate(part):
                 tokens[i, :len(p)] = p
             last = c == n_chunks - 1
             after = (0 if reset and c == 0 else state.cached[rows]) + counts
             window = _bucket(max(1, int(after.max())), self.windows)
-            state.cache, state.pending = _prefill(
-                graphdef, params, weights, state.cache, state.pending, lay.rows, lay(tokens, 0), lay(counts, 0),
-                lay(np.full(len(rows), prepend and c == 0), False),
-                lay(np.array(new_pending) if last else np.full(len(rows), -1), -1),
-                lay(np.full(len(rows), reset and c == 0), False), window=window, compact=self.compact,
-                shardings=self._shardings)
+            args, static = self._prefill_inputs(state, lay, tokens, counts, np.full(n, prepend and c == 0),
+                                                np.array(new_pending) if last else np.full(n, -1),
+                                                np.full(n, reset and c == 0), window=window)
+            state.cache, state.pending = _prefill(*args, **static)
             state.cached[rows] = after
+
+    def _prefill_inputs(self, state, lay, tokens, counts, prepend, new_pending, reset, *, window: int):
+        """`_prefill`'s (arguments, static arguments) for one chunk of appends ([n] arrays per row)."""
+        graphdef, params, weights = self._params()
+        args = (graphdef, params, weights, state.cache, state.pending, lay.rows, lay(tokens, 0), lay(counts, 0),
+                lay(prepend, False), lay(new_pending, -1), lay(reset, False))
+        return args, dict(window=window, compact=self.compact, shardings=self._shardings)
+
+    def _turn_inputs(self, state, lay, knobs, max_steps, limit_code, eos, stops, keys, *, window: int, steps: int,
+                     start=None):
+        """`_decode_loop`'s inputs for one turn: (graphdef, params, weights, run, per-call arguments).
+        `start` takes the turn's cache window (default `_decode_start`)."""
+        graphdef, params, weights = self._params()
+        args = (knobs, lay(max_steps, 0), lay(limit_code, 0), eos, stops, keys[lay(np.arange(len(max_steps)), 0)])
+        cache, pending = (start or _decode_start)(state.cache, state.pending, lay.rows, window=window,
+                                                  compact=self.compact)
+        run = _new_run(cache, pending, lay(max_steps, 0), lay(limit_code, 0), steps, stops.shape[1])
+        return graphdef, params, weights, run, args
+
+    # -- ahead-of-time compilation -------------------------------------------------------------------
+    def abstract_state(self) -> SamplerState:
+        """Every row live, the cache as abstract arrays laid out as `init_state` lays them out."""
+        B, cfg = self.batch_size, self.cfg
+        kv_sharding, row_sharding = (None, None) if self._shardings is None else (self._shardings[0].k,
+                                                                                 self._shardings[1])
+        kv = jax.ShapeDtypeStruct((cfg.num_layers, B, self.max_len, cfg.num_kv_heads, cfg.head_dim),
+                                  self.cache_dtype, sharding=kv_sharding)
+        rows = jax.ShapeDtypeStruct((B,), jnp.int32, sharding=row_sharding)
+        return SamplerState(cache=KVCache(k=kv, v=kv, lengths=rows), pending=rows, cached=np.zeros(B, np.int64),
+                            live=np.ones(B, bool), full=np.zeros(B, bool))
+
+    def lower(self, max_new_tokens: int) -> dict[str, "jax.stages.Lowered"]:
+        """The prefill and decode programs at the largest shapes a run gives them, on abstract
+        inputs (nothing allocated): every row, the whole cache window, a full prefill chunk, and a
+        turn of `max_new_tokens` decode steps. `launch.plan` compiles them for a target."""
+        state, n = self.abstract_state(), self.batch_size
+        rows = np.arange(n)
+        lay, window = self._layout(rows), self.windows[-1]
+        chunk = self.chunks[-1]
+        args, static = self._prefill_inputs(state, lay, np.zeros((n, chunk), np.int32), np.full(n, chunk),
+                                            np.zeros(n, bool), np.full(n, -1), np.zeros(n, bool), window=window)
+        steps = _bucket(min(max_new_tokens, self.max_len), power_buckets(16, self.max_len))
+        knobs = dict(temperature=np.ones(n, np.float32), top_k=np.zeros(n, np.int32),
+                     top_p=np.ones(n, np.float32), greedy=np.zeros(n, bool))
+        graphdef, params, weights, run, call_args = self._turn_inputs(
+            state, lay, {k: lay(v, _IDLE_ROW_KNOBS[k]) for k, v in knobs.items()}, np.full(n, steps),
+            np.full(n, LENGTH), self._eos_array(self.eos_ids), self._stop_array(()),
+            self._row_keys(0, rows, needed=True), window=window, steps=steps, start=_abstract_window)
+        return {"prefill": _prefill.lower(*args, **static),
+                "decode": _decode_loop.lower(graphdef, params, weights, run, np.int32(steps), *call_args)}
 
     def _params(self):
         """(graphdef, params, unrolled weights or None), re-making the unrolled copy only when the

@@ -37,8 +37,8 @@ from flax import nnx
 from cope_jax import logprobs as lp
 from cope_jax import losses
 from cope_jax.methods import POLICY_TERMS, LossConfig
-from cope_jax.packing import PackedBatch
-from models import qwen
+from cope_jax.packing import TOKEN_FIELDS, PackedBatch
+from models import loops, qwen
 from models import sharding as shd
 
 
@@ -148,7 +148,7 @@ def loss_and_grads(model, batch: PackedBatch, coefs: dict, cfg: LossConfig, *, w
     zeros = like_params(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
     _, metric_shapes = jax.eval_shape(one, params, batch.micro(0))
     sums0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes)
-    (grads, sums), _ = jax.lax.scan(body, (zeros, sums0), batch)
+    (grads, sums), _ = loops.scan("micro", body, (zeros, sums0), batch)
     grads = like_params(jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params))
     return sums["loss"], grads, sums
 
@@ -161,16 +161,53 @@ def _like_params(tree, mesh):
     return jax.tree.map(jax.lax.with_sharding_constraint, tree, qwen.state_shardings(tree, mesh))
 
 
+def _batch_sharding(shape, mesh):
+    """Rows (axis 0 of [rows, L], axis 1 of [micro, rows, L]) split over the batch axes."""
+    axes = ("batch",) if len(shape) == 2 else (None, "batch")
+    return shd.named_sharding(axes + (None,) * (len(shape) - len(axes)), shape, mesh)
+
+
 def place_batch(batch: PackedBatch, mesh=None) -> PackedBatch:
     """Batch [micro, rows, L] (or [rows, L]) -> device arrays, rows split over the batch axes.
     Arrays already placed that way are not moved."""
     def put(a):
         if mesh is None:
             return jnp.asarray(a)
-        axes = ("batch",) if np.ndim(a) == 2 else (None, "batch")
-        axes += (None,) * (np.ndim(a) - len(axes))
-        return jax.device_put(a, shd.named_sharding(axes, np.shape(a), mesh))
+        return jax.device_put(a, _batch_sharding(np.shape(a), mesh))
     return jax.tree.map(put, batch)
+
+
+def abstract_batch(shape: tuple[int, int, int], mesh=None) -> PackedBatch:
+    """A PackedBatch of abstract [micro, rows, L] arrays, laid out as `place_batch` places them."""
+    def leaf(field):
+        sharding = None if mesh is None else _batch_sharding(shape, mesh)
+        return jax.ShapeDtypeStruct(shape, np.dtype(TOKEN_FIELDS.get(field.name, np.int32)), sharding=sharding)
+    return PackedBatch(**{f.name: leaf(f) for f in dataclasses.fields(PackedBatch)})
+
+
+def train_state_shardings(state, mesh):
+    """NamedSharding per leaf of a (model, optimizer) state: every parameter, and every optimizer
+    leaf shaped like one (AdamW's moments, found by the parameter path its own path ends with),
+    by `PARAM_AXES`; the rest (the step count) replicated."""
+    def one(path, leaf):
+        name = qwen.param_path(path)
+        for param, axes in qwen.PARAM_AXES.items():
+            if (name == param or name.endswith("/" + param)) and len(axes) == len(leaf.shape):
+                return shd.named_sharding(axes, leaf.shape, mesh)
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.tree_util.tree_map_with_path(one, state)
+
+
+def abstract_train_state(model_cfg: qwen.QwenConfig, opt_cfg: OptimizerConfig, mesh):
+    """(graphdef, abstract state) of a Learner's (model, optimizer) on `mesh`, laid out as the
+    Learner lays them out; nothing is allocated."""
+    def build():
+        model = qwen.Qwen(model_cfg, rngs=nnx.Rngs(0), mesh=mesh)
+        return model, nnx.Optimizer(model, make_optimizer(opt_cfg), wrt=nnx.Param)
+
+    graphdef, state = nnx.split(nnx.eval_shape(build))
+    shardings = train_state_shardings(state, mesh)
+    return graphdef, jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
 
 
 def _micro_with_policy_tokens(batch: PackedBatch) -> int:
@@ -196,7 +233,7 @@ def _train_step(graphdef, state, batch, coefs, *, cfg, with_entropy, mesh):
 
 def _logprobs(graphdef, params, batch, *, cfg, mesh):
     model = nnx.merge(graphdef, params)
-    return jax.lax.map(lambda mb: model_logprobs(model, mb, cfg, with_entropy=False, mesh=mesh)[0], batch)
+    return loops.map("micro", lambda mb: model_logprobs(model, mb, cfg, with_entropy=False, mesh=mesh)[0], batch)
 
 
 # Compiled functions are cached on their static inputs, so Learners of the same model, method and
@@ -211,6 +248,17 @@ def _compiled_step(graphdef, cfg, with_entropy, mesh, sharding_leaves, sharding_
 @functools.lru_cache(maxsize=64)
 def _compiled_logprobs(graphdef, cfg, mesh):
     return jax.jit(functools.partial(_logprobs, graphdef, cfg=cfg, mesh=mesh))
+
+
+def step_program(graphdef, state_shardings, cfg: LossConfig, with_entropy: bool, mesh):
+    """The jitted train step: (state, batch [micro, rows, L], coefs) -> (state, metrics)."""
+    leaves, treedef = jax.tree.flatten(state_shardings)
+    return _compiled_step(graphdef, cfg.device_part(), with_entropy, mesh, tuple(leaves), treedef)
+
+
+def logprobs_program(graphdef, cfg: LossConfig, mesh):
+    """The jitted forward-only pass: (params, batch [micro, rows, L]) -> logp [micro, rows, L]."""
+    return _compiled_logprobs(graphdef, cfg.device_part(), mesh)
 
 
 def _committed(tree, mesh=None):
@@ -258,14 +306,12 @@ class Learner:
         self._graphdef, state = nnx.split((model, self.optimizer))
         # committed now, so the step's outputs (pinned to the same shardings) hit the executable
         # compiled for its first inputs
-        state = _committed(state, mesh)
+        state = _committed(state) if mesh is None else jax.device_put(state, train_state_shardings(state, mesh))
         nnx.update((model, self.optimizer), state)
-        leaves, treedef = jax.tree.flatten(jax.tree.map(lambda a: a.sharding, state))
-        self._shardings_key = (tuple(leaves), treedef)
+        self._shardings = jax.tree.map(lambda a: a.sharding, state)
 
     def _step_fn(self, with_entropy: bool):
-        return _compiled_step(self._graphdef, self.cfg.device_part(), with_entropy, self.mesh,
-                              *self._shardings_key)
+        return step_program(self._graphdef, self._shardings, self.cfg, with_entropy, self.mesh)
 
     # -- public API --------------------------------------------------------------------------------
     def step(self, batch: PackedBatch, terms: Sequence[str]) -> dict[str, jax.Array]:
@@ -284,7 +330,7 @@ class Learner:
     def logprobs(self, batch: PackedBatch, model=None) -> jax.Array:
         """Forward-only logp [micro, rows, L] of `model` (default: the policy) on the packed rows."""
         model = self.model if model is None else model
-        fn = _compiled_logprobs(nnx.graphdef(model), self.cfg.device_part(), self.mesh)
+        fn = logprobs_program(nnx.graphdef(model), self.cfg, self.mesh)
         return fn(_committed(nnx.state(model, nnx.Param)), place_batch(batch, self.mesh))
 
     def fill_logprobs(self, batch: PackedBatch, terms: Sequence[str], ref_model=None) -> tuple[PackedBatch, dict]:

@@ -30,19 +30,19 @@ from flax import nnx
 
 import models
 from models import orbax_io
-from cope_jax import distributed
+from cope_jax import distributed, run_config
 from cope_jax import metrics as metrics_lib
 from cope_jax.batching import build_minibatches
 from cope_jax.chat import ChatFormat
 from cope_jax.checkpoint import TrainCheckpointer
 from cope_jax.demos import expert_trajectories
 from cope_jax.forecasting import ForecastConfig, build_examples
-from cope_jax.methods import METHODS, LossConfig, get_method
+from cope_jax.methods import METHODS, get_method
 from cope_jax.packing import pad_micro
 from cope_jax.rollout import RolloutConfig, RolloutRunner, RolloutStats
 from cope_jax.sampler import Sampler
 from cope_jax.tokenizer import SentencePieceTokenizer, load_tokenizer, train_sentencepiece
-from cope_jax.train_step import Learner, OptimizerConfig
+from cope_jax.train_step import Learner
 from envs.pool import EnvPool
 from envs.registry import make_family
 
@@ -66,15 +66,8 @@ class Trainer:
         c = config
         horizon = None if c.train.horizon < 0 else int(c.train.horizon)
         self.spec = get_method(c.method, horizon=horizon)
-        self.loss_cfg = LossConfig(
-            clip_low=c.train.clip_low, clip_high=c.train.clip_high, dual_clip=c.train.dual_clip or None,
-            kl_coef=c.train.kl_coef, entropy_coef=c.train.entropy_coef, temperature=c.rollout.temperature,
-            aggregation=c.train.agg_mode, af_coef=c.train.af_coef, af_normalization=c.train.af_norm,
-            af_mode=c.train.af_mode, rft_coef=c.train.rft_coef, echo_coef=c.train.echo_coef,
-            progpo_scale=c.train.progpo_scale, logits_chunk_tokens=c.train.logprob_chunk)
-        self.opt_cfg = OptimizerConfig(learning_rate=c.train.learning_rate, b1=c.train.b1, b2=c.train.b2,
-                                       weight_decay=c.train.weight_decay, clip_norm=c.train.clip_norm,
-                                       warmup_steps=c.train.lr_warmup_steps)
+        self.loss_cfg = run_config.loss_config(c)
+        self.opt_cfg = run_config.optimizer_config(c)
         self.family = make_family(c.env.family)
         self.tokenizer = self._tokenizer()
         self.chat = ChatFormat(self.tokenizer, c.chat_style)
@@ -137,18 +130,12 @@ class Trainer:
 
     def _model(self):
         m = self.config.model
-        execution = dict(param_dtype=m.param_dtype, scan_layers=m.scan_layers, remat=m.remat)
         if m.init == "random":
-            cfg = models.QwenConfig(
-                family=m.family, vocab_size=m.vocab_size or self.tokenizer.vocab_size,
-                hidden_size=m.hidden_size, intermediate_size=m.intermediate_size, num_layers=m.num_layers,
-                num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, rms_norm_eps=1e-6,
-                rope_theta=m.rope_theta, tie_word_embeddings=m.tie_word_embeddings,
-                qkv_bias=m.family == "qwen2", qk_norm=m.family == "qwen3", dtype=m.dtype, **execution)
+            cfg = run_config.random_model_config(self.config, self.tokenizer.vocab_size)
             return models.create_model(cfg, seed=self.config.seed, mesh=self.mesh)
         if not m.path:
             raise ValueError("config.model.path is empty: give an HF or Orbax directory (or model.init='random')")
-        model, _ = models.load_model(m.path, dtype=m.dtype, mesh=self.mesh, **execution)
+        model, _ = models.load_model(m.path, mesh=self.mesh, **run_config.execution(self.config))
         return model
 
     def runner(self, split: str) -> RolloutRunner:
@@ -190,9 +177,7 @@ class Trainer:
             return None
         directory = os.path.join(self.workdir, WARMSTART_DIR)
         if os.path.isdir(directory):
-            loaded, _ = models.load_model(directory, dtype=self.config.model.dtype, mesh=self.mesh,
-                                          param_dtype=self.config.model.param_dtype,
-                                          scan_layers=self.config.model.scan_layers, remat=self.config.model.remat)
+            loaded, _ = models.load_model(directory, mesh=self.mesh, **run_config.execution(self.config))
             nnx.update(self.model, nnx.state(loaded, nnx.Param))
             return None
         ids = self.family.task_ids(self.config.env.train_split)
@@ -213,12 +198,7 @@ class Trainer:
         spec = (METHODS["rft"] if not n_af else
                 dataclasses.replace(METHODS["rft"], name="warmstart", terms=("rft", "af"),
                                     forecast=forecast.kind, horizon=forecast.horizon))
-        # the rft and af terms read the same target weights, so the rft term alone covers the actions
-        # and the forecasting targets (each segment weighted by its own rule); af only admits examples
-        learner = Learner(self.model, dataclasses.replace(self.loss_cfg, rft_coef=1.0, af_coef=0.0, af_mode="joint"),
-                          dataclasses.replace(self.opt_cfg, learning_rate=ws.learning_rate,
-                                              decay_steps=ws.steps if ws.lr_schedule == "cosine" else 0),
-                          mesh=self.mesh)
+        learner = Learner(self.model, *run_config.warmstart_configs(self.config), mesh=self.mesh)
         rng = np.random.RandomState(self.config.seed)
         t0 = time.time()
         for step in range(ws.steps):
@@ -229,7 +209,7 @@ class Trainer:
                 examples = [examples[i] for i in np.sort(rng.choice(len(examples), n_af, replace=False))]
             mbs, _ = build_minibatches(batch, examples, spec, learner.cfg, groups_per_minibatch=len(batch),
                                        row_len=self.config.train.row_len,
-                                       rows_per_micro=self.config.train.rows_per_micro)
+                                       rows_per_micro=run_config.rows_per_micro(self.config, self.mesh))
             out = learner.train(_bucketed(mbs))
             if (step + 1) % max(1, ws.steps // 20) == 0 or step + 1 == ws.steps:
                 self.log.write("warmstart", step + 1, {"rft_loss": float(np.mean([m["loss"] for m in out])),
@@ -304,7 +284,8 @@ class Trainer:
             examples = build_examples(trajs, self.chat, self.forecast_cfg) if self.forecast_cfg else []
             mbs, host = build_minibatches(trajs, examples, self.spec, self.loss_cfg,
                                           groups_per_minibatch=c.train.minibatch_tasks,
-                                          row_len=c.train.row_len, rows_per_micro=c.train.rows_per_micro)
+                                          row_len=c.train.row_len,
+                                          rows_per_micro=run_config.rows_per_micro(c, self.mesh))
             step_metrics = learner.train(_bucketed(mbs), ref_model) if mbs else []
             t2 = time.time()
             record = _step_record(trajs, step_metrics, host, examples, rstats, mbs, t1 - t0, t2 - t1)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models import loops
 from models import sharding as shd
 from models.config import QwenConfig
 
@@ -245,7 +246,7 @@ class Qwen(nnx.Module):
             return layer(p, h, kv, i, slots), None
 
         if layer_weights is None and cfg.scan_layers:
-            (x, kv), _ = jax.lax.scan(body, (x, kv), (params, jnp.arange(cfg.num_layers)))
+            (x, kv), _ = loops.scan("layers", body, (x, kv), (params, jnp.arange(cfg.num_layers)))
         else:
             for i in range(cfg.num_layers):
                 p = layer_weights[i] if layer_weights is not None else jax.tree.map(lambda a: a[i], params)
@@ -423,6 +424,16 @@ def state_shardings(state, mesh: jax.sharding.Mesh):
 
 def abstract_model(cfg: QwenConfig, mesh=None) -> Qwen:
     return nnx.eval_shape(lambda: Qwen(cfg, rngs=nnx.Rngs(0), mesh=mesh))
+
+
+def abstract_placed_model(cfg: QwenConfig, mesh=None) -> Qwen:
+    """The model with abstract parameters laid out as `create_model` places them: what an
+    ahead-of-time compile (`launch.plan`) takes instead of weights."""
+    graphdef, state = nnx.split(abstract_model(cfg, mesh))
+    if mesh is not None:
+        state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
+                             state_shardings(state, mesh))
+    return nnx.merge(graphdef, state)
 
 
 def create_model(cfg: QwenConfig, *, seed: int = 0, mesh=None) -> Qwen:

@@ -43,7 +43,7 @@ def test_tpu_create_and_setup_commands():
     assert shlex.split(out.stdout)[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "create", "my-pod"]
     assert "--accelerator-type=v5p-32" in out.stdout
     out = _run(TPU, "--dry-run", "setup", "my-pod", "us-central2-b")
-    assert out.returncode == 0 and "launch/tpu/requirements.txt" in out.stdout and out.stdout.count("--worker=all") == 3
+    assert out.returncode == 0 and "requirements-tpu.txt" in out.stdout and out.stdout.count("--worker=all") == 3
 
 
 def test_gpu_host_of_a_multi_host_run():
@@ -60,5 +60,7 @@ def test_accelerator_requirements_pin_the_same_jax():
     pinned = next(l for l in open(os.path.join(REPO, "requirements.txt")) if l.startswith("jax=="))
     version = pinned.strip().split("==")[1]
     for kind, extra in (("tpu", "tpu"), ("gpu", "cuda12")):
-        lines = open(os.path.join(REPO, "launch", kind, "requirements.txt")).read().split("\n")
-        assert f"jax[{extra}]=={version}" in lines and "-r ../../requirements.txt" in lines
+        lines = open(os.path.join(REPO, f"requirements-{kind}.txt")).read().split("\n")
+        assert f"jax[{extra}]=={version}" in lines and "-r requirements.txt" in lines
+    plan = open(os.path.join(REPO, "requirements-plan.txt")).read().split("\n")
+    assert f"jax-cuda12-pjrt=={version}" in plan and "-r requirements-tpu.txt" in plan

@@ -29,7 +29,7 @@ case "$op" in
   setup)
     (( $# == 0 )) || usage
     run python3 -m venv .venv
-    run .venv/bin/python -m pip install -q -r launch/gpu/requirements.txt -r requirements-envs.txt
+    run .venv/bin/python -m pip install -q -r requirements-gpu.txt -r requirements-envs.txt
     ;;
   train|eval)
     coordinator="" num_hosts="" host_id=""

@@ -56,7 +56,7 @@ case "$op" in
       "$repo/configs" "$repo/cope_jax" "$repo/envs" "$repo/launch" "$repo/models" \
       "$repo"/requirements*.txt "$1:~/$REMOTE_DIR/"
     on_all "$1" "$2" "sudo apt-get update -q && sudo apt-get install -y -q openjdk-17-jre-headless python3-venv \
-&& python3 -m venv .venv && .venv/bin/pip install -q -r launch/tpu/requirements.txt -r requirements-envs.txt"
+&& python3 -m venv .venv && .venv/bin/pip install -q -r requirements-tpu.txt -r requirements-envs.txt"
     ;;
   mount)
     (( $# == 4 )) || usage

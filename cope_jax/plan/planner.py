@@ -1,0 +1,106 @@
+"""Will it fit? A run's programs compiled for a target, with memory, cost and layout warnings.
+
+`plan(config, target, model_cfg, mesh)` lays the run out on the target's devices, compiles every
+program the run executes (`programs.py`) and measures it (`measure.py`). `mesh='auto'` tries the
+tensor-parallel widths a host allows, smallest first, and keeps the first whose programs all fit
+(the memory compiles only; the cost compiles run once, for the chosen mesh).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import ml_collections
+
+from cope_jax.plan import checks, measure, programs, targets
+from models.config import QwenConfig
+
+
+@dataclasses.dataclass
+class Plan:
+    config: str
+    model: str
+    target: targets.Target
+    mesh: tuple[int, int, int]
+    model_cfg: QwenConfig
+    results: list[measure.Result]
+    warnings: list[str]
+    seconds: float
+
+    @property
+    def fits(self) -> bool:
+        return all(r.fits for r in self.results)
+
+
+def parse_mesh(text: str) -> tuple[int, ...] | str:
+    """'auto' or 'd,f,t' (parentheses allowed; one entry may be -1: the remaining chips)."""
+    text = text.strip()
+    if text == "auto":
+        return text
+    try:
+        shape = tuple(int(v) for v in text.strip("()").split(","))
+    except ValueError:
+        raise ValueError(f"--mesh={text!r}: expected 'auto' or three integers data,fsdp,tp") from None
+    if len(shape) != 3 or any(v == 0 or v < -1 for v in shape):
+        raise ValueError(f"--mesh={text!r}: expected three positive sizes data,fsdp,tp (one may be -1)")
+    return shape
+
+
+def resolve_mesh(shape: tuple[int, ...], target: targets.Target) -> tuple[int, int, int]:
+    """The mesh with -1 filled in; it must use every chip of the target."""
+    shape = list(shape)
+    known = _size(v for v in shape if v != -1)
+    if shape.count(-1) > 1:
+        raise ValueError(f"mesh {tuple(shape)}: at most one -1")
+    if -1 in shape:
+        if target.chips % known:
+            raise ValueError(f"mesh {tuple(shape)} does not divide the {target.chips} chips of {target.name}")
+        shape[shape.index(-1)] = target.chips // known
+    if _size(shape) != target.chips:
+        raise ValueError(f"mesh {tuple(shape)} has {_size(shape)} devices but {target.name} has {target.chips} chips")
+    return tuple(shape)
+
+
+def _size(shape) -> int:
+    n = 1
+    for v in shape:
+        n *= v
+    return n
+
+
+def plan(c: ml_collections.ConfigDict, config_name: str, target: targets.Target, model_cfg: QwenConfig,
+         model_name: str, mesh, *, cost: bool = True, log=lambda msg: None) -> Plan:
+    t0 = time.perf_counter()
+    devices = targets.devices(target)
+    measured = {}
+    if mesh == "auto":
+        mesh, measured = _auto_mesh(c, target, model_cfg, devices, log)
+    mesh = resolve_mesh(mesh, target)
+    layout, progs = programs.run_programs(c, model_cfg, devices, mesh)
+    results = []
+    for p in progs:
+        log(f"compiling {p.name} ({p.shape}) for {target.name}, mesh {mesh}")
+        if p.name in measured:  # memory known from the search; only the cost compiles are left
+            results.append(measured[p.name])
+            if cost:
+                measure.add_cost(results[-1], p, target)
+        else:
+            results.append(measure.measure(p, target, cost=cost))
+    return Plan(config_name, model_name, target, mesh, model_cfg, results,
+                checks.layout_warnings(c, model_cfg, layout), time.perf_counter() - t0)
+
+
+def _auto_mesh(c, target, model_cfg, devices, log):
+    """The smallest tensor-parallel width (within a host) at which every program fits, and the
+    memory results of its programs (the widest width when nothing fits)."""
+    widths = [t for t in (1, 2, 4, 8) if t <= target.chips_per_host and target.chips % t == 0]
+    for tp in widths:
+        mesh, measured = (1, target.chips // tp, tp), {}
+        log(f"mesh auto: trying {mesh}")
+        for p in programs.run_programs(c, model_cfg, devices, mesh)[1]:
+            measured[p.name] = measure.measure(p, target, cost=False)
+            if not measured[p.name].fits:
+                break
+        else:
+            return mesh, measured
+    return mesh, {}

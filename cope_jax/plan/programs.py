@@ -1,0 +1,217 @@
+"""The jitted programs a run executes, on abstract inputs for a target's devices.
+
+`run_programs(config, model_cfg, devices, mesh_shape)` lays the run out as the trainer would (the
+global (data, fsdp, tp) mesh, each host's block of it for the sampler, the micro-batch rows) and
+returns, per program, a function that lowers **the trainer's own jitted function** on abstract
+arrays: `train_step.step_program` (the RL step and, when configured, the warm start's),
+`train_step.logprobs_program` (old / reference log-probs) and the sampler's `_prefill` and
+`_decode_loop` (`Sampler.lower`). Nothing is allocated.
+
+Each program also carries what the planner needs beside the compiler: the trip counts of its loops
+(`models/loops.py`), the tokens one call processes, the buffers that stay in memory while it runs
+without being its arguments (the optimizer state while sampling, the reference model while
+training), and an analytical FLOP count (and, for decoding, bytes moved) to cross-check the
+compiler's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from cope_jax import distributed, run_config
+from cope_jax import train_step as ts
+from cope_jax.logprobs import chunk_positions
+from cope_jax.methods import TERMS, get_method
+from cope_jax.sampler import Sampler
+from models import qwen
+from models import sharding as shd
+from models.config import QwenConfig
+
+
+@dataclasses.dataclass
+class Program:
+    name: str
+    lower: Callable[[], "jax.stages.Lowered"]  # traces afresh (under `loops.unrolled` too)
+    shape: str                  # what one call processes, for the report
+    tokens: int                 # tokens per call, all chips together
+    loops: dict[str, int]       # loop kind -> trips
+    param_bytes: int            # per chip: parameters among the arguments
+    optimizer_bytes: int        # per chip: optimizer state among the arguments
+    resident_bytes: int         # per chip: buffers alive meanwhile that are not arguments
+    analytic_flops: float       # per chip
+    analytic_bytes: float | None = None  # per chip (decoding: weights and cache read per step)
+
+
+@dataclasses.dataclass
+class Layout:
+    """How a run sits on the target: meshes, micro-batch rows and the per-chip size of its state."""
+
+    mesh: "jax.sharding.Mesh | None"
+    host_mesh: "jax.sharding.Mesh | None"
+    hosts: int
+    rows_per_micro: int
+    params_bytes: int      # per chip, on the global mesh
+    optimizer_bytes: int   # per chip
+    replica_bytes: int     # per chip: the sampler's own copy of the parameters (several hosts)
+    needs_reference: bool
+
+
+def per_chip_bytes(tree) -> int:
+    """Bytes one device holds of a tree of (abstract) arrays with shardings (the largest shard)."""
+    total = 0
+    for a in jax.tree.leaves(tree):
+        shape = a.shape if a.sharding is None else a.sharding.shard_shape(a.shape)
+        total += math.prod(shape) * np.dtype(a.dtype).itemsize
+    return total
+
+
+def run_programs(c: ml_collections.ConfigDict, model_cfg: QwenConfig, devices,
+                 mesh_shape) -> tuple[Layout, list[Program]]:
+    mesh = distributed.run_mesh(tuple(mesh_shape), devices)
+    hosts = len({d.process_index for d in devices})
+    host_mesh = distributed.local_mesh(mesh, process=0) if mesh is not None and hosts > 1 else mesh
+    graphdef, state = ts.abstract_train_state(model_cfg, run_config.optimizer_config(c), mesh)
+    params_bytes, opt_bytes = per_chip_bytes(state[0]), per_chip_bytes(state[1])
+    replica = qwen.abstract_placed_model(model_cfg, host_mesh) if hosts > 1 else None
+    spec = get_method(c.method, horizon=None if c.train.horizon < 0 else int(c.train.horizon))
+    layout = Layout(mesh=mesh, host_mesh=host_mesh, hosts=hosts, rows_per_micro=run_config.rows_per_micro(c, mesh),
+                    params_bytes=params_bytes, optimizer_bytes=opt_bytes,
+                    replica_bytes=0 if replica is None else per_chip_bytes(_params(replica)),
+                    needs_reference="kl" in spec.terms and c.train.kl_coef != 0)
+    programs = [*_trainer_programs(c, model_cfg, layout, graphdef, state, spec),
+                *_sampler_programs(c, model_cfg, layout, replica)]
+    return layout, programs
+
+
+# -- the trainer's programs --------------------------------------------------------------------------
+def _trainer_programs(c, model_cfg, layout: Layout, graphdef, state, spec) -> list[Program]:
+    mesh, rows, T = layout.mesh, layout.rows_per_micro, int(c.train.row_len)
+    batch = ts.abstract_batch((1, rows, T), mesh)
+    coefs = {t: jax.ShapeDtypeStruct((), jnp.float32) for t in TERMS}
+    shardings = jax.tree.map(lambda a: a.sharding, state)
+    reference = layout.params_bytes if layout.needs_reference else 0
+    ways = _row_ways(rows, mesh) * _tp(mesh)
+    loss = run_config.loss_config(c)
+    chunks = -(-T // chunk_positions(rows, T, loss.logits_chunk_tokens))
+    loops = {"layers": model_cfg.num_layers, "chunks": chunks}
+    shape = f"{rows} x {T}"
+
+    def step(loss_cfg, with_entropy):
+        program = ts.step_program(graphdef, shardings, loss_cfg, with_entropy, mesh)
+        return lambda: program.lower(state, batch, coefs)
+
+    model_def, params = _model_part(graphdef, state)
+    logprobs = ts.logprobs_program(model_def, loss, mesh)
+    with_entropy = "entropy" in spec.terms and c.train.entropy_coef != 0
+    out = [
+        Program("train_step", step(loss, with_entropy), shape, rows * T, loops, layout.params_bytes,
+                layout.optimizer_bytes, reference + layout.replica_bytes,
+                _train_flops(model_cfg, T, model_cfg.remat) * rows * T / ways),
+        Program("logprobs", lambda: logprobs.lower(params, batch), shape, rows * T, loops, layout.params_bytes, 0,
+                layout.optimizer_bytes + reference + layout.replica_bytes,
+                _forward_flops(model_cfg, T, logits=True) * rows * T / ways),
+    ]
+    if c.warmstart.steps > 0:
+        ws_loss, _ = run_config.warmstart_configs(c)
+        out.append(Program("warmstart_step", step(ws_loss, False), shape, rows * T, loops, layout.params_bytes,
+                           layout.optimizer_bytes, layout.replica_bytes,
+                           _train_flops(model_cfg, T, model_cfg.remat) * rows * T / ways))
+    return out
+
+
+def _model_part(graphdef, state):
+    """The model's graphdef and its abstract parameters, from the (model, optimizer) split."""
+    from flax import nnx
+
+    model, _ = nnx.merge(graphdef, state)
+    return nnx.graphdef(model), _params(model)
+
+
+def _params(model):
+    from flax import nnx
+
+    return nnx.state(model, nnx.Param)
+
+
+# -- the sampler's programs --------------------------------------------------------------------------
+def _sampler_programs(c, model_cfg, layout: Layout, replica) -> list[Program]:
+    from flax import nnx
+
+    mesh = layout.host_mesh
+    if replica is None:  # one host: the sampler reads the policy itself
+        replica = qwen.abstract_placed_model(model_cfg, mesh)
+    eos = model_cfg.eos_token_id
+    sampler = Sampler(replica, batch_size=int(c.rollout.sampler_rows), max_len=int(c.rollout.max_len),
+                      eos_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
+                      unroll_layers=False)
+    # on one host the sampler's parameters are the policy's; on several, a copy on each host
+    resident = ((layout.optimizer_bytes if layout.hosts == 1 else layout.params_bytes + layout.optimizer_bytes)
+                + (layout.params_bytes if layout.needs_reference else 0))
+    param_bytes = per_chip_bytes(nnx.state(replica, nnx.Param))
+    B, W, chunk = sampler.batch_size, sampler.max_len, sampler.chunks[-1]
+    steps = int(min(c.rollout.max_turn_tokens, W))
+    ways = _row_ways(B, mesh) * _tp(mesh)
+    lowered = {}
+
+    def lower(name):
+        def run():
+            lowered.clear()  # each call traces afresh (the planner's unrolled variants)
+            lowered.update(sampler.lower(steps))
+            return lowered[name]
+        return run
+
+    cache = sampler.abstract_state().cache
+    cache_bytes = per_chip_bytes((cache.k, cache.v))
+    decode_flops = _forward_flops(model_cfg, W, logits=True) * B / ways
+    return [
+        Program("prefill", lower("prefill"), f"{B} x {chunk} into {W}", B * chunk, {"layers": model_cfg.num_layers},
+                param_bytes, 0, resident, _forward_flops(model_cfg, W, logits=False) * B * chunk / ways),
+        Program("decode", lower("decode"), f"{B} rows, window {W}", B, {"layers": model_cfg.num_layers},
+                param_bytes, 0, resident, decode_flops, analytic_bytes=param_bytes + cache_bytes),
+    ]
+
+
+# -- analytical counts (per token) ------------------------------------------------------------------
+def layer_matmul_params(cfg: QwenConfig) -> int:
+    """Weights multiplied per token by the decoder layers (everything but embedding and head)."""
+    E, H, K, D, F = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    return cfg.num_layers * (E * (H + 2 * K) * D + H * D * E + 3 * E * F)
+
+
+def _attention_flops(cfg: QwenConfig, keys: int) -> int:
+    """Scores and weighted values of one query over `keys` keys, all layers (dense: masked keys count)."""
+    return 4 * cfg.num_layers * keys * cfg.num_heads * cfg.head_dim
+
+
+def _forward_flops(cfg: QwenConfig, keys: int, *, logits: bool) -> float:
+    """One token's forward over `keys` keys, with or without the head."""
+    head = 2 * cfg.hidden_size * cfg.vocab_size if logits else 0
+    return 2 * layer_matmul_params(cfg) + _attention_flops(cfg, keys) + head
+
+
+def _train_flops(cfg: QwenConfig, T: int, remat: str) -> float:
+    """6 N per token for the layers (+2 N recomputed under full remat), attention forward, backward
+    (and recomputed under any remat: its dots have batch dimensions), and the chunked head: forward,
+    recomputed logits, and the two gradient products."""
+    matmul = (6 + (2 if remat == "full" else 0)) * layer_matmul_params(cfg)
+    attention = (3 + (1 if remat != "none" else 0)) * _attention_flops(cfg, T)
+    return matmul + attention + 4 * 2 * cfg.hidden_size * cfg.vocab_size
+
+
+def _row_ways(rows: int, mesh) -> int:
+    """Devices the rows are actually split over (a mesh axis that does not divide them is dropped)."""
+    if mesh is None:
+        return 1
+    spec = shd.logical_to_spec(("batch",), (rows,), mesh)[0]
+    axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def _tp(mesh) -> int:
+    return 1 if mesh is None else int(mesh.shape.get("tp", 1))

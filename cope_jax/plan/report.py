@@ -1,0 +1,80 @@
+"""A Plan as a table for people and as JSON lines for programs."""
+from __future__ import annotations
+
+import dataclasses
+
+from cope_jax.plan.planner import Plan
+from cope_jax.plan.programs import layer_matmul_params
+
+GIB = float(1 << 30)
+
+
+def _gib(n) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def _si(x, unit: str) -> str:
+    if x is None:
+        return "-"
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g}{prefix}{unit}"
+    return f"{x:.3g}{unit}"
+
+
+def header(plan: Plan) -> list[str]:
+    t, m = plan.target, plan.model_cfg
+    chip = t.chip
+    params = layer_matmul_params(m) + m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)
+    return [
+        f"plan: {plan.config} / {plan.model} ({params / 1e9:.2f}B parameters, {m.param_dtype} weights, "
+        f"{m.dtype} compute, remat {m.remat})",
+        f"target: {t.name} ({t.chips} x {chip.kind}, {t.hosts} host{'s' if t.hosts > 1 else ''}; "
+        f"{t.usable_bytes / GIB:.2f} GiB usable per chip, {_si(chip.peak_flops, 'FLOP/s')} bf16, "
+        f"{_si(chip.hbm_bandwidth, 'B/s')} HBM); mesh data {plan.mesh[0]}, fsdp {plan.mesh[1]}, tp {plan.mesh[2]}",
+    ]
+
+
+COLUMNS = ("program", "shape", "params", "optim", "inputs", "outputs", "temps", "code", "resident", "total",
+           "fits", "compile s", "FLOPs/chip", "analytic", "est. s", "tokens/s")
+
+
+def rows(plan: Plan) -> list[tuple[str, ...]]:
+    out = []
+    for r in plan.results:
+        fits = "yes" if r.fits else "NO"
+        headroom = f"{fits} ({_gib(r.headroom)})"
+        cost_mark = "" if r.cost_source != "analytic" else "*"
+        out.append((r.program, r.shape, _gib(r.params), _gib(r.optimizer), _gib(r.inputs), _gib(r.outputs),
+                    _gib(r.temporaries), _gib(r.code), _gib(r.resident), _gib(r.total), headroom,
+                    f"{r.compile_s:.1f}", _si(r.flops, "") + cost_mark, _si(r.analytic_flops, ""),
+                    "-" if r.est_s is None else f"{r.est_s:.3g}",
+                    "-" if r.tokens_per_s is None else f"{r.tokens_per_s:,.0f}"))
+    return out
+
+
+def table(plan: Plan) -> str:
+    body = [COLUMNS, *rows(plan)]
+    widths = [max(len(row[i]) for row in body) for i in range(len(COLUMNS))]
+    lines = header(plan) + ["memory in GiB per chip; fits (headroom GiB); estimates are rooflines: "
+                            "max(FLOPs / peak, HBM bytes / bandwidth), no communication"]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in body]
+    for r in plan.results:
+        if r.refused:
+            lines.append(f"{r.program}: the compiler refused it: {r.refused}")
+        if r.note:
+            lines.append(f"{r.program}: {r.note}")
+    if any(r.cost_source == "analytic" for r in plan.results):
+        lines.append("* analytic FLOPs (no compiler cost for this program)")
+    lines += [f"warning: {w}" for w in plan.warnings]
+    lines.append(("fits" if plan.fits else "does NOT fit") + f" ({plan.seconds:.0f} s)")
+    return "\n".join(lines)
+
+
+def json_records(plan: Plan) -> list[dict]:
+    base = dict(config=plan.config, model=plan.model, topology=plan.target.name, chips=plan.target.chips,
+                mesh=list(plan.mesh))
+    out = [dict(base, **dataclasses.asdict(r)) for r in plan.results]
+    out.append(dict(base, summary=True, fits=plan.fits, warnings=plan.warnings, seconds=round(plan.seconds, 1),
+                    usable_bytes=plan.target.usable_bytes))
+    return out

@@ -1,0 +1,153 @@
+"""The machines a run can be planned for, and their devices without the machine.
+
+One table, `TARGETS`: TPU slices by their Cloud names (`v5p-32` = 16 chips of 2 TensorCores) and
+NVIDIA GPU hosts. XLA compiles for any of them on this host: the TPU compiler through the TPU
+runtime library (`requirements-tpu.txt`), the GPU compiler through the CUDA PJRT plugin with a
+`GpuTargetConfigProto` from `gpu_specs/` (no GPU, driver or CUDA libraries needed).
+
+Peak FLOP/s are dense bf16 per chip, bandwidths HBM bytes/s per chip, from the vendors' spec sheets.
+`usable_bytes` is what a program may use: on TPUs the compiler's own limit (what it reports when it
+refuses a program: `tests/test_plan.py` checks the table against it); on GPUs JAX's allocator takes `XLA_PYTHON_CLIENT_MEM_FRACTION` of the
+memory (0.75 by default), and the GPU compiler checks nothing, so the planner compares.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import tempfile
+
+GIB = 1 << 30
+_SPECS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_specs")
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    kind: str
+    hbm_bytes: int
+    peak_flops: float
+    hbm_bandwidth: float
+    compiler_limit: int = 0  # TPU: the memory the TPU compiler lets a program use
+    tpu_name: str = ""   # the TPU runtime's name in topology strings
+    tpu_config: str = ""  # the TPU runtime's chip config ('megacore': one device per chip)
+    gpu_spec: str = ""    # gpu_specs/<file>
+
+
+CHIPS = {
+    "v4": Chip("TPU v4", 32 * GIB, 275e12, 1228e9, int(30.75 * GIB), tpu_name="v4", tpu_config="megacore"),
+    "v5e": Chip("TPU v5e", 16 * GIB, 197e12, 819e9, int(15.75 * GIB), tpu_name="v5e", tpu_config="default"),
+    "v5p": Chip("TPU v5p", 95 * GIB, 459e12, 2765e9, int(95.74 * GIB), tpu_name="v5p", tpu_config="megacore"),
+    "v6e": Chip("TPU v6e", 32 * GIB, 918e12, 1640e9, int(31.25 * GIB), tpu_name="v6e", tpu_config="default"),
+    "A100": Chip("A100-SXM4-80GB", 85100068864, 312e12, 2039e9, gpu_spec="a100_sxm_80gb.txtpb"),
+    "H100": Chip("H100-SXM5-80GB", 84978434048, 989e12, 3352e9, gpu_spec="h100_sxm_80gb.txtpb"),
+    "H200": Chip("H200-SXM-141GB", 150754820096, 989e12, 4800e9, gpu_spec="h200_sxm_141gb.txtpb"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    name: str
+    chip: Chip
+    shape: tuple[int, ...]  # TPU: chips along the torus axes; GPU: (hosts, GPUs per host)
+    chips_per_host: int
+
+    @property
+    def platform(self) -> str:
+        return "tpu" if self.chip.tpu_name else "cuda"
+
+    @property
+    def chips(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def hosts(self) -> int:
+        return self.chips // self.chips_per_host
+
+    @property
+    def topology(self) -> str:
+        """The topology string XLA takes ('v5p:2x2x4'; GPUs: slices x hosts x GPUs)."""
+        if self.platform == "tpu":
+            return f"{self.chip.tpu_name}:" + "x".join(map(str, self.shape))
+        return "1x" + "x".join(map(str, self.shape))
+
+    @property
+    def usable_bytes(self) -> int:
+        if self.platform == "tpu":
+            return self.chip.compiler_limit
+        return int(self.chip.hbm_bytes * float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")))
+
+
+def _tpu(chip: str, chips: int, shape: tuple[int, ...], per_host: int = 4) -> Target:
+    name = f"{chip}-{chips * 2 if chip in ('v4', 'v5p') else chips}"  # v4 / v5p names count cores
+    return Target(name, CHIPS[chip], shape, per_host)
+
+
+TARGETS: dict[str, Target] = {t.name: t for t in [
+    *[_tpu("v4", n, s) for n, s in [(4, (2, 2, 1)), (8, (2, 2, 2)), (16, (2, 2, 4)), (32, (2, 4, 4)),
+                                    (64, (4, 4, 4))]],
+    *[_tpu("v5p", n, s) for n, s in [(4, (2, 2, 1)), (8, (2, 2, 2)), (16, (2, 2, 4)), (32, (2, 4, 4)),
+                                     (64, (4, 4, 4)), (128, (4, 4, 8))]],
+    *[_tpu(c, n, s, per_host=8 if n == 8 else 4) for c in ("v5e", "v6e")
+      for n, s in [(8, (2, 4)), (16, (4, 4)), (32, (4, 8)), (64, (8, 8)), (128, (8, 16)), (256, (16, 16))]],
+    Target("8xA100", CHIPS["A100"], (1, 8), 8),
+    Target("8xH100", CHIPS["H100"], (1, 8), 8),
+    Target("8xH200", CHIPS["H200"], (1, 8), 8),
+    Target("2x8xH100", CHIPS["H100"], (2, 8), 8),
+]}
+
+
+def get_target(name: str) -> Target:
+    if name not in TARGETS:
+        raise ValueError(f"unknown topology {name!r}; expected one of {', '.join(TARGETS)}")
+    return TARGETS[name]
+
+
+def devices(target: Target) -> list:
+    """The target's devices (abstract: they compile, never run), in the runtime's order; a
+    device's `process_index` is its host."""
+    import jax
+    from jax.experimental import topologies
+
+    # compiling only: other processes (a second planner, test workers) may load the TPU runtime too
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    with _quiet_stderr():  # the runtimes log that this host has no TPU / GPU
+        jax.devices()  # loads every installed runtime (logging) now rather than at the first compile
+        if target.platform == "tpu":
+            topo = topologies.get_topology_desc(
+                platform="tpu", topology_name=target.topology, chip_config_name=target.chip.tpu_config,
+                chips_per_host_bounds=_host_bounds(target), num_slices=1)
+        else:
+            with open(os.path.join(_SPECS, target.chip.gpu_spec)) as f:
+                spec = f.read()
+            topo = topologies.get_topology_desc(platform="cuda", topology_name=target.name,
+                                                topology=target.topology, target_config=spec)
+    found = list(topo.devices)
+    if len(found) != target.chips:
+        raise RuntimeError(f"{target.name}: the runtime made {len(found)} devices, expected {target.chips}")
+    return found
+
+
+def _host_bounds(target: Target) -> tuple[int, int, int]:
+    """The chips of one host along the torus axes: 2x2 (4 chips) or 2x4 (a single 8-chip host)."""
+    return (2, 4, 1) if target.chips_per_host == 8 else (2, 2, 1)
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Hides what native code writes to stderr meanwhile, unless the block fails."""
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as log:
+        os.dup2(log.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            os.dup2(saved, 2)
+            log.seek(0)
+            os.write(2, log.read())
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)

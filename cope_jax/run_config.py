@@ -1,0 +1,76 @@
+"""A run's ml_collections config -> the typed configs its parts take.
+
+The trainer and the planner (`cope_jax/plan/`) both read a config through these functions, so the
+programs the planner compiles are built from exactly the settings the trainer would use.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import ml_collections
+
+from cope_jax.methods import LossConfig
+from cope_jax.train_step import OptimizerConfig
+from models import presets
+from models.config import ConfigError, QwenConfig
+
+
+def loss_config(c: ml_collections.ConfigDict) -> LossConfig:
+    t = c.train
+    return LossConfig(
+        clip_low=t.clip_low, clip_high=t.clip_high, dual_clip=t.dual_clip or None, kl_coef=t.kl_coef,
+        entropy_coef=t.entropy_coef, temperature=c.rollout.temperature, aggregation=t.agg_mode,
+        af_coef=t.af_coef, af_normalization=t.af_norm, af_mode=t.af_mode, rft_coef=t.rft_coef,
+        echo_coef=t.echo_coef, progpo_scale=t.progpo_scale, logits_chunk_tokens=t.logprob_chunk)
+
+
+def optimizer_config(c: ml_collections.ConfigDict) -> OptimizerConfig:
+    t = c.train
+    return OptimizerConfig(learning_rate=t.learning_rate, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay,
+                           clip_norm=t.clip_norm, warmup_steps=t.lr_warmup_steps)
+
+
+def warmstart_configs(c: ml_collections.ConfigDict) -> tuple[LossConfig, OptimizerConfig]:
+    """The supervised warm start's loss and optimizer: the rft and af terms read the same target
+    weights, so the rft term alone covers actions and forecasting targets (each segment weighted by
+    its own rule); af only admits the examples."""
+    ws = c.warmstart
+    loss = dataclasses.replace(loss_config(c), rft_coef=1.0, af_coef=0.0, af_mode="joint")
+    opt = dataclasses.replace(optimizer_config(c), learning_rate=ws.learning_rate,
+                              decay_steps=ws.steps if ws.lr_schedule == "cosine" else 0)
+    return loss, opt
+
+
+def execution(c: ml_collections.ConfigDict) -> dict:
+    """The QwenConfig execution fields of `config.model`."""
+    m = c.model
+    return dict(dtype=m.dtype, param_dtype=m.param_dtype, scan_layers=m.scan_layers, remat=m.remat)
+
+
+def random_model_config(c: ml_collections.ConfigDict, tokenizer_vocab: int | None) -> QwenConfig:
+    """The architecture of `model.init='random'`: the named `model.preset`, or the config's own
+    fields (vocab_size 0: the tokenizer's)."""
+    m = c.model
+    if m.preset:
+        return presets.preset_config(m.preset, **execution(c))
+    vocab = m.vocab_size or tokenizer_vocab
+    if not vocab:
+        raise ConfigError("model.vocab_size is 0 and no tokenizer vocabulary is known")
+    return QwenConfig(
+        family=m.family, vocab_size=vocab, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+        num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+        rms_norm_eps=1e-6, rope_theta=m.rope_theta, tie_word_embeddings=m.tie_word_embeddings,
+        qkv_bias=m.family == "qwen2", qk_norm=m.family == "qwen3", **execution(c))
+
+
+def batch_width(mesh) -> int:
+    """Devices a batch's rows are split over (data x fsdp); 1 without a mesh."""
+    if mesh is None:
+        return 1
+    return int(mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1))
+
+
+def rows_per_micro(c: ml_collections.ConfigDict, mesh) -> int:
+    """`train.rows_per_micro`, 0 meaning one row per device of the batch axes: fewer rows than that
+    are computed on every device of a group (replicated), which wastes the rest."""
+    return int(c.train.rows_per_micro) or batch_width(mesh)

@@ -1,0 +1,45 @@
+"""The loops of the compiled programs, and the switch that lets the planner count what they cost.
+
+XLA's cost analysis counts a loop body once, whatever its trip count. `launch.plan` recovers the
+per-iteration cost of each kind of loop by compiling the same program once more with that kind
+unrolled by two (`unrolled(kind)`): the difference is one iteration, so the program's cost is the
+counted cost plus (trips - 1) iterations of each kind. Every scan of the project goes through `scan`
+with its kind, so the planner's variants are the production programs, not copies of them.
+
+The switch is a `jax.make_user_context`: it is part of jit's cache key, so a program traced under
+it never stands in for the ordinary one.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import jax
+
+KINDS = ("layers", "chunks", "micro")  # decoder layers, logits chunks, micro-batches
+
+_UNROLLED = jax.make_user_context(default_value=None)
+
+
+@contextlib.contextmanager
+def unrolled(kind: str):
+    """Traces the loops of `kind` unrolled by two (planning only)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown loop kind {kind!r}; expected one of {KINDS}")
+    with _UNROLLED(kind):
+        yield
+
+
+def scan(kind: str, body, init, xs, length: int | None = None):
+    """`jax.lax.scan(body, init, xs)` over loops of `kind` (one of KINDS)."""
+    return jax.lax.scan(body, init, xs, length=length, unroll=2 if _UNROLLED.value == kind else 1)
+
+
+def map(kind: str, fn, xs):  # noqa: A001 (the lax name)
+    """`jax.lax.map(fn, xs)` over loops of `kind`."""
+    return scan(kind, lambda _, x: (None, fn(x)), None, xs)[1]
+
+
+def trips_counted(trips: int) -> int:
+    """Iterations the unrolled-by-two variant adds to the counted cost: one, or two when `trips` is
+    odd (JAX then peels the last iteration outside the loop, where it is counted too)."""
+    return 2 if trips % 2 and trips > 2 else 1

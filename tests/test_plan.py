@@ -1,0 +1,199 @@
+"""`launch.plan`: the run's own programs compiled for TPU and GPU targets on this CPU-only host.
+
+The per-chip state bytes are checked against the trainer's real arrays on 8 fake CPU devices, the
+temporaries against an independent AOT compile of the step, the TPU limits against the TPU
+compiler's refusals, and the trip-count arithmetic against a program without loops.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+import models
+from configs import demo
+from cope_jax import run_config
+from cope_jax import train_step as ts
+from cope_jax.methods import TERMS
+from cope_jax.plan import measure, planner, programs, targets
+from models import qwen
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GIB = 1 << 30
+# the demo's model, with rows small enough that every compile takes seconds
+TINY = ["--config.rollout.sampler_rows=8", "--config.rollout.max_len=256", "--config.rollout.max_turn_tokens=16",
+        "--config.train.row_len=256", "--config.train.rows_per_micro=0", "--config.train.logprob_chunk=256",
+        "--config.warmstart.steps=0"]
+
+
+def _tiny_config(**train):
+    c = demo.get_config("cope")
+    c.rollout.update(sampler_rows=8, max_len=256, max_turn_tokens=16)
+    c.train.update(dict(dict(row_len=256, rows_per_micro=0, logprob_chunk=256), **train))
+    c.warmstart.steps = 0
+    return c
+
+
+def _run(*args, env=None):
+    env = dict(os.environ, XLA_FLAGS="", **(env or {}))
+    proc = subprocess.run([sys.executable, "-m", "launch.plan", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def _records(stdout):
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+def test_every_target_makes_its_devices_and_hosts():
+    for target in targets.TARGETS.values():
+        devices = targets.devices(target)
+        assert len(devices) == target.chips, target.name
+        assert len({d.process_index for d in devices}) == target.hosts, target.name
+        assert devices[0].platform == ("tpu" if target.platform == "tpu" else "gpu"), target.name
+
+
+@pytest.mark.parametrize("name", ["v4-8", "v5e-8", "v5p-8", "v6e-8"])
+def test_tpu_limits_are_the_compilers(name):
+    """The usable memory in the table is what the TPU compiler itself allows (its refusal says so)."""
+    target = targets.get_target(name)
+    devices = targets.devices(target)
+    mesh = Mesh(np.array(devices), ("x",), axis_types=(AxisType.Auto,))
+    x = jax.ShapeDtypeStruct((len(devices) * 1024, 65536), jnp.float32, sharding=NamedSharding(mesh, P("x")))
+    with pytest.raises(Exception, match="exceeds available HBM") as e:
+        jax.jit(lambda a: jnp.tile(jnp.exp(a), (1, 512)) * 2).lower(x).compile()
+    available = float(str(e.value).split("available HBM (")[1].split("G)")[0])
+    assert abs(available * GIB - target.usable_bytes) < 0.01 * GIB
+
+
+def test_state_bytes_per_chip_are_the_trainers_own():
+    """Plan on v5e-8 (mesh 1 x 8 x 1): parameter and optimizer bytes per chip equal those of a
+    real Learner's arrays laid out on 8 CPU devices with the same mesh."""
+    c = _tiny_config()
+    cfg = run_config.random_model_config(c, 1024)
+    layout, _ = programs.run_programs(c, cfg, targets.devices(targets.get_target("v5e-8")), (1, 8, 1))
+    mesh = models.make_mesh((1, 8, 1))
+    learner = ts.Learner(models.create_model(cfg, mesh=mesh), run_config.loss_config(c),
+                         run_config.optimizer_config(c), mesh=mesh)
+    shard_bytes = lambda tree: sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(tree))
+    assert layout.params_bytes == shard_bytes(nnx.state(learner.model, nnx.Param))
+    assert layout.optimizer_bytes == shard_bytes(nnx.state(learner.optimizer))
+    # and a count from the shapes alone: every parameter has a dimension of 128 (hidden) or 1024
+    # (vocabulary) that fsdp=8 divides, except the norms
+    split = sum(np.prod(s) for n, s in qwen.param_shapes(cfg).items() if not n.endswith("norm")) // 8
+    whole = sum(np.prod(s) for n, s in qwen.param_shapes(cfg).items() if n.endswith("norm"))
+    assert layout.params_bytes == 4 * (split + whole)
+
+
+def test_temporaries_equal_an_independent_compile():
+    """The plan's train step temporaries on v4-8 equal those of the same step compiled by hand
+    (jax.jit of the step function on a mesh made directly from the topology)."""
+    c = _tiny_config()
+    cfg = run_config.random_model_config(c, 1024)
+    target = targets.get_target("v4-8")
+    result = planner.plan(c, "demo", target, cfg, "tiny", (1, 4, 1), cost=False)
+    step = next(r for r in result.results if r.program == "train_step")
+
+    devices = targets.devices(target)
+    mesh = Mesh(np.array(devices).reshape(1, 4, 1), ("data", "fsdp", "tp"), axis_types=(AxisType.Auto,) * 3)
+    opt = ts.make_optimizer(run_config.optimizer_config(c))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: (lambda m: (m, nnx.Optimizer(m, opt, wrt=nnx.Param)))(
+        qwen.Qwen(cfg, rngs=nnx.Rngs(0), mesh=mesh))))
+    shard = lambda axes, a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=models.sharding.named_sharding(
+        axes, a.shape, mesh))
+
+    def place(path, a):
+        name = qwen.param_path(path).split("/", 1)[1]
+        name = name.split("/mu/")[-1].split("/nu/")[-1]
+        return shard(qwen.PARAM_AXES.get(name, (None,) * a.ndim), a)
+    state = jax.tree_util.tree_map_with_path(place, state)
+    rows = 4
+    batch = ts.abstract_batch((1, rows, 256), mesh)
+    coefs = {t: jax.ShapeDtypeStruct((), jnp.float32) for t in TERMS}
+    fn = jax.jit(lambda s, b, k: ts._train_step(graphdef, s, b, k, cfg=run_config.loss_config(c).device_part(),
+                                                with_entropy=False, mesh=mesh), donate_argnums=0)
+    mem = fn.lower(state, batch, coefs).compile().memory_analysis()
+    assert step.temporaries == mem.temp_size_in_bytes
+
+
+def test_cost_counts_every_loop_iteration():
+    """The log-prob pass with scanned layers and 4 logits chunks, extrapolated from its unrolled-by-two
+    variants, costs what the same pass without any loop costs (layers unrolled, one chunk)."""
+    target = targets.get_target("v5e-8")
+    devices = targets.devices(target)
+
+    def logprobs(c, scan):
+        cfg = run_config.random_model_config(c, 1024).replace(scan_layers=scan, num_layers=4)
+        _, progs = programs.run_programs(c, cfg, devices, (1, 8, 1))
+        return measure.measure(next(p for p in progs if p.name == "logprobs"), target)
+
+    looped = logprobs(_tiny_config(logprob_chunk=512), True)  # 8 rows x 256 -> chunks of 64 positions
+    flat = logprobs(_tiny_config(logprob_chunk=2048), False)
+    assert looped.cost_source == flat.cost_source == "compiler"
+    assert looped.flops == pytest.approx(flat.flops, rel=0.01)
+    assert looped.flops == pytest.approx(looped.analytic_flops, rel=0.1)
+
+
+def test_tiny_plan_on_v5e_and_v4_fits_and_reports_every_program():
+    for topology in ("v5e-8", "v4-8"):
+        rc, out, err = _run("--config=configs/demo.py", f"--topology={topology}", "--json", *TINY)
+        assert rc == 0, err
+        records = _records(out)
+        assert [r["program"] for r in records[:-1]] == ["train_step", "logprobs", "prefill", "decode"]
+        assert all(r["fits"] and r["total"] > 0 and r["tokens_per_s"] > 0 for r in records[:-1])
+        assert records[-1]["summary"] and records[-1]["fits"] and records[-1]["topology"] == topology
+
+
+def test_a_run_that_does_not_fit_exits_2_with_the_compilers_numbers():
+    """Qwen2.5-14B with AdamW state needs ~22 GiB per chip of a v5e-8 (15.75 GiB usable)."""
+    rc, out, err = _run("--config=configs/demo.py", "--topology=v5e-8", "--model=Qwen2.5-14B-Instruct", "--nocost",
+                        *TINY)
+    assert rc == 2, err
+    assert "does NOT fit" in out and "NO (" in out
+
+
+def test_gpu_target_compiles_and_the_planner_checks_its_memory():
+    rc, out, err = _run("--config=configs/demo.py", "--topology=8xH100", "--json", *TINY)
+    assert rc == 0, err
+    records = _records(out)
+    assert records[-1]["fits"] and all(r["cost_source"] == "analytic" for r in records[:-1])
+    # the GPU compiler checks nothing: the planner compares with the allocator's share of memory
+    rc, out, err = _run("--config=configs/demo.py", "--topology=8xH100", "--json", "--nocost", *TINY,
+                        env={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.0000001"})
+    assert rc == 2 and not _records(out)[-1]["fits"]
+
+
+@pytest.mark.parametrize("args, reason", [
+    (["--topology=v9-8"], "unknown topology 'v9-8'"),
+    (["--topology=v5e-8", "--mesh=1,4,1"], "mesh (1, 4, 1) has 4 devices but v5e-8 has 8 chips"),
+    (["--topology=v5e-8", "--mesh=1,x,1"], "expected 'auto' or three integers"),
+    (["--topology=v5e-8", "--model=Qwen9-1B"], "unknown model preset 'Qwen9-1B'"),
+])
+def test_bad_input_exits_1_with_one_line(args, reason):
+    rc, out, err = _run("--config=configs/demo.py", *args)
+    assert rc == 1 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("plan: error:") and reason in lines[0], err
+
+
+def test_a_model_dir_without_config_json_exits_1(tmp_path):
+    rc, _, err = _run("--config=configs/sciworld.py:cope", "--topology=v5p-8", f"--config.model.path={tmp_path}")
+    assert rc == 1 and err.strip() == f"plan: error: no config.json in '{tmp_path}'"
+
+
+def test_multi_host_meshes_give_every_host_a_block():
+    """The default (1, -1, 1) mesh on v5p-32 (4 hosts): each host's 4 chips form a block, the
+    sampler's local mesh (a plain physical order snakes fsdp across hosts)."""
+    from cope_jax import distributed
+
+    devices = targets.devices(targets.get_target("v5p-32"))
+    for shape in ((1, 16, 1), (1, 8, 2), (2, 4, 2), (1, 4, 4)):
+        mesh = distributed.run_mesh(shape, devices)
+        for host in range(4):
+            assert distributed.local_mesh(mesh, host).devices.size == 4
