@@ -10,8 +10,7 @@ the tests) works like this:
 - Each host rolls out its own contiguous share of a step's episodes (`process_share`) with its
   own environment pool and its own sampler. The sampler cannot run on the global mesh: hosts
   decode different episodes, for different numbers of turns. It runs on `LocalReplica`, the
-  policy's parameters laid out on this host's block of the mesh (an all-gather across hosts once
-  per rollout batch, nothing when a host already holds a whole replica).
+  policy's parameters laid out on this host's devices (one reshard per rollout batch).
 - `allgather_objects` brings every host's trajectories to every host, in global episode order, so
   each host builds the same packed mini-batches and `jax.device_put` takes each host's rows of the
   globally sharded batch. Only token ids, masks and logprobs travel; the packing is host work.
@@ -32,7 +31,6 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import models
 from models import qwen
-from models import sharding as shd
 
 HOSTS_AXIS = "hosts"  # the axis of a group of devices with one device per process
 
@@ -54,7 +52,7 @@ def run_mesh(shape: Sequence[int], devices: Sequence[jax.Device] | None = None) 
     """The (data, fsdp, tp) mesh of `config.mesh` over `devices` (default: every device of every
     host; the planner passes a topology's); -1 takes the remaining devices. A mesh of one device
     means no mesh (plain single-device arrays). On several hosts the mesh must span every device,
-    and each host's devices must form a block of it (`local_mesh`)."""
+    and each host's devices must be able to take the mesh's axes (`local_shape`)."""
     devices = list(jax.devices() if devices is None else devices)
     n, hosts = len(devices), len({d.process_index for d in devices})
     shape = list(shape)
@@ -73,58 +71,49 @@ def run_mesh(shape: Sequence[int], devices: Sequence[jax.Device] | None = None) 
                          f"{hosts} hosts: a multi-host mesh must use them all")
     if size == 1:
         return None
-    if hosts == 1:
-        mesh = models.make_mesh(tuple(shape), devices=devices[:size])
-    else:
-        mesh = Mesh(_host_blocks(shape, devices, hosts), shd.MESH_AXES, axis_types=(AxisType.Auto,) * len(shape))
+    mesh = models.make_mesh(tuple(shape), devices=devices[:size])
     for process in sorted({d.process_index for d in devices}):
-        _process_block(mesh, process)  # fail at setup, not at the first rollout
+        local_mesh(mesh, process)  # fail at setup, not at the first rollout
     return mesh
 
 
-def _host_blocks(shape: Sequence[int], devices, hosts: int) -> np.ndarray:
-    """The devices arranged as `shape` with each host's devices a block (the sampler's local mesh):
-    a host takes the innermost axes first (all of tp, then fsdp, then data), and the hosts tile the
-    rest. Within a host the order follows the chips' links (`create_hybrid_device_mesh`); a plain
-    physical order (`jax.make_mesh`) snakes a long fsdp axis across hosts."""
-    from jax.experimental import mesh_utils
-
-    left, local = len(devices) // hosts, []
+def local_shape(shape: Sequence[int], devices: int) -> tuple[int, ...]:
+    """The (data, fsdp, tp) shape of one host's `devices`: each axis takes what the host can hold of
+    the global `shape`, innermost first (all of tp, then fsdp, then data)."""
+    left, local = devices, []
     for size in reversed(shape):
         take = math.gcd(int(size), left)
         local.insert(0, take)
         left //= take
     if left != 1:
-        raise ValueError(f"config.mesh {tuple(shape)} cannot give each of {hosts} hosts a block of its "
-                         f"{len(devices) // hosts} devices")
-    outer = [int(s) // n for s, n in zip(shape, local)]
-    return mesh_utils.create_hybrid_device_mesh(local, outer, devices, process_is_granule=True,
-                                                allow_split_physical_axes=True)
-
-
-def _process_block(mesh: Mesh, process: int | None = None) -> tuple[slice, ...]:
-    """The index box of `mesh.devices` that holds one process's devices (default: this one's)."""
-    process = jax.process_index() if process is None else process
-    mine = np.vectorize(lambda d: d.process_index)(mesh.devices) == process
-    idx = np.argwhere(mine)
-    box = tuple(slice(int(a), int(b)) for a, b in zip(idx.min(0), idx.max(0) + 1))
-    if not mine[box].all():
-        raise ValueError(f"the devices of process {process} do not form a block of the mesh "
-                         f"{dict(mesh.shape)}: choose a mesh whose host-local part is a sub-mesh "
-                         "(e.g. data or fsdp a multiple of the number of hosts)")
-    return box
+        raise ValueError(f"config.mesh {tuple(shape)} cannot lay out a host's {devices} devices "
+                         "(each axis a divisor of the mesh's)")
+    return tuple(local)
 
 
 def local_mesh(mesh: Mesh, process: int | None = None) -> Mesh:
-    """One process's block of `mesh` (default: this one's), with the same axis names and types."""
-    return Mesh(mesh.devices[_process_block(mesh, process)], mesh.axis_names, axis_types=mesh.axis_types)
+    """One process's devices (default: this one's) as a mesh with `mesh`'s axis names and types, of
+    `local_shape`, in the chips' own order. It need not be a block of `mesh`: on a TPU slice the
+    global mesh follows the chips' links (collectives need that), and a long fsdp axis snakes
+    across hosts."""
+    from jax.experimental import mesh_utils
+
+    process = jax.process_index() if process is None else process
+    devices = [d for d in mesh.devices.flat if d.process_index == process]
+    shape = local_shape(mesh.devices.shape, len(devices))
+    try:
+        arranged = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    except (ValueError, NotImplementedError, AssertionError):  # devices without a known physical layout
+        arranged = np.array(devices).reshape(shape)
+    return Mesh(arranged, mesh.axis_names, axis_types=mesh.axis_types)
 
 
 class LocalReplica:
     """The policy's parameters on this host's devices, for this host's sampler.
 
     `model` is the policy itself on one host (the sampler reads the live parameters). On several
-    hosts it is a copy laid out on `local_mesh(mesh)` with the same logical sharding, refreshed by
+    hosts it is a copy laid out on `local_mesh(mesh)` (this host's devices) with the same logical
+    sharding, refreshed by
     `refresh()` before each rollout batch: one jitted reshard to a mesh with a leading `host` axis
     (replicated over hosts, sharded within each as on the local mesh), whose shards on this host
     are then wrapped as local arrays without another copy.
@@ -139,9 +128,9 @@ class LocalReplica:
             self.model = model
             return
         local = local_mesh(mesh)
-        blocks = [mesh.devices[_process_block(mesh, p)] for p in range(jax.process_count())]
+        blocks = [local_mesh(mesh, p).devices for p in range(jax.process_count())]
         if len({b.shape for b in blocks}) != 1:
-            raise ValueError(f"hosts own differently shaped blocks of the mesh {dict(mesh.shape)}")
+            raise ValueError(f"hosts hold different numbers of the mesh {dict(mesh.shape)}'s devices")
         hosts = np.stack(blocks)
         _connect_groups(hosts.reshape(len(blocks), -1).T)  # this reshard's groups: a device's peers on other hosts
         self._host_mesh = Mesh(hosts, (self.HOST_AXIS,) + tuple(mesh.axis_names),

@@ -4,5 +4,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source launch/venv.sh
 ensure_venv requirements-dev.txt
+ensure_gpu_compiler
 export JAX_PLATFORMS=cpu
 exec "$PY" -m pytest tests -q -n "${PYTEST_WORKERS:-2}" "$@"

@@ -14,3 +14,16 @@ ensure_venv() {
   fi
   PY="$venv/bin/python"
 }
+
+# The CUDA compiler for `launch.plan`'s GPU targets, outside JAX's plugin discovery (see the file).
+ensure_gpu_compiler() {
+  local venv="${COPE_VENV:-.venv}" want
+  local stamp="$venv/.stamp-gpu-compiler"
+  want=$(cat requirements-gpu-compiler.txt | sha256sum | cut -c1-16)
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    echo "installing the GPU compiler into $venv/gpu-compiler ..." >&2
+    rm -rf "$venv/gpu-compiler"
+    "$venv/bin/python" -m pip install -q --no-deps --target "$venv/gpu-compiler" -r requirements-gpu-compiler.txt
+    echo "$want" > "$stamp"
+  fi
+}

@@ -62,5 +62,5 @@ def test_accelerator_requirements_pin_the_same_jax():
     for kind, extra in (("tpu", "tpu"), ("gpu", "cuda12")):
         lines = open(os.path.join(REPO, f"requirements-{kind}.txt")).read().split("\n")
         assert f"jax[{extra}]=={version}" in lines and "-r requirements.txt" in lines
-    plan = open(os.path.join(REPO, "requirements-plan.txt")).read().split("\n")
-    assert f"jax-cuda12-pjrt=={version}" in plan and "-r requirements-tpu.txt" in plan
+    assert f"jax-cuda12-pjrt=={version}" in open(os.path.join(REPO, "requirements-gpu-compiler.txt")).read().split("\n")
+    assert "-r requirements-tpu.txt" in open(os.path.join(REPO, "requirements-dev.txt")).read().split("\n")

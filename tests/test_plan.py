@@ -140,14 +140,18 @@ def test_cost_counts_every_loop_iteration():
     assert looped.flops == pytest.approx(looped.analytic_flops, rel=0.1)
 
 
-def test_tiny_plan_on_v5e_and_v4_fits_and_reports_every_program():
-    for topology in ("v5e-8", "v4-8"):
-        rc, out, err = _run("--config=configs/demo.py", f"--topology={topology}", "--json", *TINY)
-        assert rc == 0, err
-        records = _records(out)
-        assert [r["program"] for r in records[:-1]] == ["train_step", "logprobs", "prefill", "decode"]
-        assert all(r["fits"] and r["total"] > 0 and r["tokens_per_s"] > 0 for r in records[:-1])
-        assert records[-1]["summary"] and records[-1]["fits"] and records[-1]["topology"] == topology
+@pytest.mark.parametrize("topology, cost", [("v5e-8", "--cost"), ("v4-8", "--nocost")])
+def test_tiny_plan_on_v5e_and_v4_fits_and_reports_every_program(topology, cost):
+    rc, out, err = _run("--config=configs/demo.py", f"--topology={topology}", "--json", cost, *TINY)
+    assert rc == 0, err
+    records = _records(out)
+    assert [r["program"] for r in records[:-1]] == ["train_step", "logprobs", "prefill", "decode"]
+    assert all(r["fits"] and r["total"] > r["params"] > 0 for r in records[:-1])
+    # AdamW: mu and nu like the parameters, and two scalar step counters
+    assert records[0]["temporaries"] > 0 and records[0]["optimizer"] == 2 * records[0]["params"] + 8
+    if cost == "--cost":
+        assert all(r["cost_source"] == "compiler" and r["tokens_per_s"] > 0 for r in records[:-1])
+    assert records[-1]["summary"] and records[-1]["fits"] and records[-1]["topology"] == topology
 
 
 def test_a_run_that_does_not_fit_exits_2_with_the_compilers_numbers():
@@ -187,13 +191,26 @@ def test_a_model_dir_without_config_json_exits_1(tmp_path):
     assert rc == 1 and err.strip() == f"plan: error: no config.json in '{tmp_path}'"
 
 
-def test_multi_host_meshes_give_every_host_a_block():
-    """The default (1, -1, 1) mesh on v5p-32 (4 hosts): each host's 4 chips form a block, the
-    sampler's local mesh (a plain physical order snakes fsdp across hosts)."""
+def test_every_host_of_a_slice_gets_a_local_mesh_of_its_own_chips():
+    """Meshes on v5p-32 (4 hosts of 4 chips) follow the chips' links; each host's sampler mesh holds
+    its own 4 chips with as much of tp, then fsdp, as it can (the physical order snakes a long
+    fsdp axis across hosts, so a host's chips are not a block of the global mesh)."""
     from cope_jax import distributed
 
     devices = targets.devices(targets.get_target("v5p-32"))
-    for shape in ((1, 16, 1), (1, 8, 2), (2, 4, 2), (1, 4, 4)):
+    for shape, local in (((1, 16, 1), (1, 4, 1)), ((1, 8, 2), (1, 2, 2)), ((2, 4, 2), (1, 2, 2)),
+                         ((1, 4, 4), (1, 1, 4))):
         mesh = distributed.run_mesh(shape, devices)
         for host in range(4):
-            assert distributed.local_mesh(mesh, host).devices.size == 4
+            sub = distributed.local_mesh(mesh, host)
+            assert sub.devices.shape == local and {d.process_index for d in sub.devices.flat} == {host}
+
+
+def test_the_warm_start_step_is_planned_when_configured():
+    c = _tiny_config()
+    cfg = run_config.random_model_config(c, 1024)
+    devices = targets.devices(targets.get_target("v5e-8"))
+    names = lambda c: [p.name for p in programs.run_programs(c, cfg, devices, (1, 8, 1))[1]]
+    assert names(c) == ["train_step", "logprobs", "prefill", "decode"]
+    c.warmstart.steps = 10
+    assert names(c) == ["train_step", "logprobs", "warmstart_step", "prefill", "decode"]

@@ -31,8 +31,8 @@ def _rows(what: str, rows: int, mesh) -> list[str]:
         split *= mesh.shape[a]
     if split == width:
         return []
-    return [f"{what}={rows} is not a multiple of data x fsdp = {width}: the rows are split {split} ways and "
-            f"each is computed on {width // split} chips (use a multiple of {width})"]
+    return [f"{what}={rows} is not a multiple of data x fsdp = {width}: the rows are split over {split} of "
+            f"{width} chips, each computed on {width // split} (use a multiple of {width})"]
 
 
 def _unsplit_params(cfg: QwenConfig, mesh) -> list[str]:

@@ -74,6 +74,7 @@ def measure(program: Program, target: Target, *, cost: bool = True) -> Result:
             raise
         result.compile_s = time.perf_counter() - t0
         result.refused = _first_line(str(e))
+        result.params, result.optimizer = program.param_bytes, program.optimizer_bytes
         result.total = _refused_total(str(e)) + program.resident_bytes
         return result
     result.compile_s = time.perf_counter() - t0
@@ -146,6 +147,8 @@ def _first_line(message: str) -> str:
 
 
 def _refused_total(message: str) -> int:
-    """The largest memory figure in the compiler's refusal: what the program would have used."""
+    """The largest memory figure in the compiler's refusal: what the program would have needed. The
+    TPU compiler calls it "HLO temporaries" but counts the arguments in it too (a refused decode
+    loop's figure is its parameters + cache + temporaries as compiled on a larger chip)."""
     sizes = [float(v) * _UNITS[u] for v, u in _GIB.findall(message)]
     return int(max(sizes)) if sizes else 0

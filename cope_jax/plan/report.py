@@ -45,8 +45,9 @@ def rows(plan: Plan) -> list[tuple[str, ...]]:
         fits = "yes" if r.fits else "NO"
         headroom = f"{fits} ({_gib(r.headroom)})"
         cost_mark = "" if r.cost_source != "analytic" else "*"
-        out.append((r.program, r.shape, _gib(r.params), _gib(r.optimizer), _gib(r.inputs), _gib(r.outputs),
-                    _gib(r.temporaries), _gib(r.code), _gib(r.resident), _gib(r.total), headroom,
+        unknown = (lambda n: "-") if r.refused else _gib  # the compiler stopped before it laid them out
+        out.append((r.program, r.shape, _gib(r.params), _gib(r.optimizer), unknown(r.inputs), unknown(r.outputs),
+                    unknown(r.temporaries), unknown(r.code), _gib(r.resident), _gib(r.total), headroom,
                     f"{r.compile_s:.1f}", _si(r.flops, "") + cost_mark, _si(r.analytic_flops, ""),
                     "-" if r.est_s is None else f"{r.est_s:.3g}",
                     "-" if r.tokens_per_s is None else f"{r.tokens_per_s:,.0f}"))

@@ -3,7 +3,9 @@
 One table, `TARGETS`: TPU slices by their Cloud names (`v5p-32` = 16 chips of 2 TensorCores) and
 NVIDIA GPU hosts. XLA compiles for any of them on this host: the TPU compiler through the TPU
 runtime library (`requirements-tpu.txt`), the GPU compiler through the CUDA PJRT plugin with a
-`GpuTargetConfigProto` from `gpu_specs/` (no GPU, driver or CUDA libraries needed).
+`GpuTargetConfigProto` from `gpu_specs/` (no GPU, driver or CUDA libraries needed). Outside a CUDA
+environment the plugin lives in `<venv>/gpu-compiler` (`requirements-gpu-compiler.txt`), where JAX's
+plugin discovery does not load it into every program; `devices` loads it when a GPU target asks.
 
 Peak FLOP/s are dense bf16 per chip, bandwidths HBM bytes/s per chip, from the vendors' spec sheets.
 `usable_bytes` is what a program may use: on TPUs the compiler's own limit (what it reports when it
@@ -15,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import sys
 import tempfile
 
 GIB = 1 << 30
@@ -120,6 +123,7 @@ def devices(target: Target) -> list:
                 platform="tpu", topology_name=target.topology, chip_config_name=target.chip.tpu_config,
                 chips_per_host_bounds=_host_bounds(target), num_slices=1)
         else:
+            _load_gpu_compiler()
             with open(os.path.join(_SPECS, target.chip.gpu_spec)) as f:
                 spec = f.read()
             topo = topologies.get_topology_desc(platform="cuda", topology_name=target.name,
@@ -128,6 +132,23 @@ def devices(target: Target) -> list:
     if len(found) != target.chips:
         raise RuntimeError(f"{target.name}: the runtime made {len(found)} devices, expected {target.chips}")
     return found
+
+
+GPU_COMPILER = os.path.join(sys.prefix, "gpu-compiler", "jax_plugins", "xla_cuda12", "xla_cuda_plugin.so")
+
+
+def _load_gpu_compiler() -> None:
+    """Registers the CUDA plugin from `GPU_COMPILER` unless a CUDA backend is already known."""
+    from jax._src import xla_bridge
+    from jax._src.lib import xla_client
+
+    if "cuda" in xla_bridge._backend_factories:  # a CUDA environment: JAX found the plugin itself
+        return
+    if not os.path.isfile(GPU_COMPILER):
+        raise ValueError(f"GPU targets need the CUDA compiler plugin at {GPU_COMPILER}: pip install --no-deps "
+                         f"--target {os.path.join(sys.prefix, 'gpu-compiler')} -r requirements-gpu-compiler.txt")
+    xla_bridge.register_plugin("cuda", priority=500, library_path=GPU_COMPILER,
+                               options=xla_client.generate_pjrt_gpu_plugin_options())
 
 
 def _host_bounds(target: Target) -> tuple[int, int, int]:
