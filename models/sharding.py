@@ -43,7 +43,9 @@ def make_mesh(
     """A mesh over `devices` (default: all) with axis types stated explicitly.
 
     The axes are `Auto` (GSPMD propagation): the model annotates parameters and a few activations,
-    XLA chooses the collectives. `shape=None` puts every device on `fsdp`.
+    XLA chooses the collectives. `shape=None` puts every device on `fsdp`. Devices are ordered by
+    their links (`create_device_mesh`), splitting a physical axis where a mesh axis needs part of it
+    (`jax.make_mesh` allows that on v5e only, and fails for e.g. tp=2 on a 4x8 v6e slice).
     """
     devices = list(devices if devices is not None else jax.devices())
     if shape is None:
@@ -53,9 +55,10 @@ def make_mesh(
         raise ValueError(f"mesh shape {shape} does not match axis names {tuple(axis_names)}")
     if math.prod(shape) != len(devices):
         raise ValueError(f"mesh shape {shape} needs {math.prod(shape)} devices, have {len(devices)}")
-    return jax.make_mesh(
-        shape, tuple(axis_names), axis_types=(AxisType.Auto,) * len(shape), devices=devices
-    )
+    from jax.experimental import mesh_utils
+
+    arranged = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    return Mesh(arranged, tuple(axis_names), axis_types=(AxisType.Auto,) * len(shape))
 
 
 def logical_to_spec(

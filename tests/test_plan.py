@@ -214,3 +214,15 @@ def test_the_warm_start_step_is_planned_when_configured():
     assert names(c) == ["train_step", "logprobs", "prefill", "decode"]
     c.warmstart.steps = 10
     assert names(c) == ["train_step", "logprobs", "warmstart_step", "prefill", "decode"]
+
+
+def test_every_target_takes_every_mesh_auto_tries():
+    """`jax.make_mesh` cannot split a physical axis (except on v5e): tp=2 on a 4x8 v6e slice failed."""
+    from cope_jax import distributed
+
+    for target in targets.TARGETS.values():
+        devices = targets.devices(target)
+        for tp in (t for t in (1, 2, 4, 8) if t <= target.chips_per_host):
+            mesh = distributed.run_mesh((1, -1, tp), devices)
+            local = distributed.local_mesh(mesh, 0)
+            assert local.devices.size == target.chips_per_host and local.devices.shape[2] == tp, (target.name, tp)
