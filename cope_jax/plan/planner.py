@@ -2,8 +2,9 @@
 
 `plan(config, target, model_cfg, mesh)` lays the run out on the target's devices, compiles every
 program the run executes (`programs.py`) and measures it (`measure.py`). `mesh='auto'` tries the
-tensor-parallel widths a host allows, smallest first, and keeps the first whose programs all fit
-(the memory compiles only; the cost compiles run once, for the chosen mesh).
+tensor-parallel widths a host allows, smallest first, and keeps the first whose programs all fit, or
+else the one closest to fitting (the memory compiles only; the cost compiles run once, for the
+chosen mesh).
 """
 from __future__ import annotations
 
@@ -92,15 +93,16 @@ def plan(c: ml_collections.ConfigDict, config_name: str, target: targets.Target,
 
 def _auto_mesh(c, target, model_cfg, devices, log):
     """The smallest tensor-parallel width (within a host) at which every program fits, and the
-    memory results of its programs (the widest width when nothing fits)."""
+    memory results of its programs. When none fits, the width whose tightest program comes closest."""
     widths = [t for t in (1, 2, 4, 8) if t <= target.chips_per_host and target.chips % t == 0]
+    tried = []
     for tp in widths:
-        mesh, measured = (1, target.chips // tp, tp), {}
+        mesh = (1, target.chips // tp, tp)
         log(f"mesh auto: trying {mesh}")
-        for p in programs.run_programs(c, model_cfg, devices, mesh)[1]:
-            measured[p.name] = measure.measure(p, target, cost=False)
-            if not measured[p.name].fits:
-                break
-        else:
+        measured = {p.name: measure.measure(p, target, cost=False)
+                    for p in programs.run_programs(c, model_cfg, devices, mesh)[1]}
+        if all(r.fits for r in measured.values()):
             return mesh, measured
-    return mesh, {}
+        tried.append((max(r.total / r.usable_bytes for r in measured.values()), mesh, measured))
+    _, mesh, measured = min(tried, key=lambda t: t[0])
+    return mesh, measured
