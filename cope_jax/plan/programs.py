@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from flax import nnx
 
 from cope_jax import distributed, run_config
 from cope_jax import train_step as ts
@@ -127,22 +128,16 @@ def _trainer_programs(c, model_cfg, layout: Layout, graphdef, state, spec) -> li
 
 def _model_part(graphdef, state):
     """The model's graphdef and its abstract parameters, from the (model, optimizer) split."""
-    from flax import nnx
-
     model, _ = nnx.merge(graphdef, state)
     return nnx.graphdef(model), _params(model)
 
 
 def _params(model):
-    from flax import nnx
-
     return nnx.state(model, nnx.Param)
 
 
 # -- the sampler's programs --------------------------------------------------------------------------
 def _sampler_programs(c, model_cfg, layout: Layout, replica) -> list[Program]:
-    from flax import nnx
-
     mesh = layout.host_mesh
     if replica is None:  # one host: the sampler reads the policy itself
         replica = qwen.abstract_placed_model(model_cfg, mesh)
@@ -153,7 +148,7 @@ def _sampler_programs(c, model_cfg, layout: Layout, replica) -> list[Program]:
     # on one host the sampler's parameters are the policy's; on several, a copy on each host
     resident = ((layout.optimizer_bytes if layout.hosts == 1 else layout.params_bytes + layout.optimizer_bytes)
                 + (layout.params_bytes if layout.needs_reference else 0))
-    param_bytes = per_chip_bytes(nnx.state(replica, nnx.Param))
+    param_bytes = per_chip_bytes(_params(replica))
     B, W, chunk = sampler.batch_size, sampler.max_len, sampler.chunks[-1]
     steps = int(min(c.rollout.max_turn_tokens, W))
     ways = _row_ways(B, mesh) * _tp(mesh)
