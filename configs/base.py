@@ -26,6 +26,9 @@ def base_config(method: str = "cope") -> ml_collections.ConfigDict:
         # `launch.plan` also plans it when `path` is empty
         preset="",
         dtype="bfloat16", param_dtype="float32", scan_layers=True, remat="dots",
+        # models/attention.py: 'auto' (dense for short rows and decode steps, blockwise otherwise),
+        # 'dense' or 'blockwise'; attention_block: tokens per block
+        attention="auto", attention_block=512,
         # architecture, used only when init='random'
         family="qwen3", vocab_size=0, hidden_size=0, intermediate_size=0, num_layers=0,
         num_heads=0, num_kv_heads=0, head_dim=0, tie_word_embeddings=True, rope_theta=1e6,

@@ -7,7 +7,7 @@ hidden state at t - 1 of the same segment. `token_logprobs` returns values in *t
     entropy[b, t] = entropy of that same distribution
 
 where segment_ids[b, t] == segment_ids[b, t-1] != 0 (and, with `branch_ids`, the two tokens are
-in the same branch: see `models.qwen.attention_mask`), and 0 elsewhere (the first token of every
+in the same branch: see `models.attention.packed_ids`), and 0 elsewhere (the first token of every
 segment or branch and padding have no prediction). Masks such as `action_mask` (1 on sampled
 tokens) therefore index `logp` directly.
 

@@ -9,7 +9,7 @@ so a packed segment computes exactly what it would alone.
 A segment may also be a *tree*: a trunk (`branch_ids` 0) followed by branches 1, 2, ... that each
 continue a prefix of the trunk (positions going on from the prefix length). Forecasting examples of
 one trajectory share its history this way, packed once instead of once per example
-(`cope_jax/batching.py` builds them; `models.qwen.attention_mask` gives the attention pattern).
+(`cope_jax/batching.py` builds them; `models.attention.packed_ids` gives the attention pattern).
 
 Sequences longer than L are cut from the left by `truncate_left` (the most recent context and all
 later tokens are kept), counted in `PackStats`; `pack` itself refuses an over-long segment, so

@@ -44,7 +44,8 @@ def warmstart_configs(c: ml_collections.ConfigDict) -> tuple[LossConfig, Optimiz
 def execution(c: ml_collections.ConfigDict) -> dict:
     """The QwenConfig execution fields of `config.model`."""
     m = c.model
-    return dict(dtype=m.dtype, param_dtype=m.param_dtype, scan_layers=m.scan_layers, remat=m.remat)
+    return dict(dtype=m.dtype, param_dtype=m.param_dtype, scan_layers=m.scan_layers, remat=m.remat,
+                attention=m.attention, attention_block=m.attention_block)
 
 
 def random_model_config(c: ml_collections.ConfigDict, tokenizer_vocab: int | None) -> QwenConfig:

@@ -17,6 +17,7 @@ SUITES = {
     "convert": "launch.bench_convert",
     "rollout": "launch.bench_rollout",
     "learning": "launch.bench_learning",
+    "attention": "launch.bench_attention",
 }
 
 flags.DEFINE_enum("suite", None, sorted(SUITES), "Which benchmark suite to run.")

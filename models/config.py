@@ -11,6 +11,8 @@ import json
 import os
 from typing import Any
 
+from models.attention import IMPLEMENTATIONS
+
 # architecture name in config.json -> (family, qkv_bias, qk_norm)
 _ARCHITECTURES = {
     "Qwen2ForCausalLM": ("qwen2", True, False),
@@ -37,8 +39,9 @@ class QwenConfig:
     """Architecture plus execution options of a Qwen dense decoder.
 
     Architecture fields mirror the HF names. Execution fields (`dtype`, `param_dtype`,
-    `scan_layers`, `remat`) do not change the math: scanned and looped layers give the same
-    numbers, and remat only trades memory for recompute.
+    `scan_layers`, `remat`, `attention`) do not change the math: scanned and looped layers give the
+    same numbers, remat only trades memory for recompute, and every attention implementation
+    computes the same softmax (to float rounding).
     """
 
     family: str  # "qwen2" | "qwen3"
@@ -62,6 +65,8 @@ class QwenConfig:
     param_dtype: str = "float32"  # storage dtype of the weights
     scan_layers: bool = True
     remat: str = "none"  # "none" | "full" | "dots" (see models/qwen.py REMAT_POLICIES)
+    attention: str = "auto"  # "auto" | "dense" | "blockwise" (models/attention.py)
+    attention_block: int = 512  # tokens per query / key block of blockwise attention
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -69,6 +74,10 @@ class QwenConfig:
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+        if self.attention not in IMPLEMENTATIONS:
+            raise ConfigError(f"attention must be one of {IMPLEMENTATIONS}, got {self.attention!r}")
+        if self.attention_block < 8 or self.attention_block % 8:
+            raise ConfigError(f"attention_block must be a positive multiple of 8, got {self.attention_block}")
 
     @property
     def architecture(self) -> str:

@@ -15,23 +15,25 @@ import contextlib
 
 import jax
 
-KINDS = ("layers", "chunks", "micro")  # decoder layers, logits chunks, micro-batches
+KINDS = ("layers", "chunks", "micro", "attention")  # decoder layers, logits chunks, micro-batches,
+# blockwise attention's (query block, key block) pairs
 
 _UNROLLED = jax.make_user_context(default_value=None)
 
 
 @contextlib.contextmanager
-def unrolled(kind: str):
-    """Traces the loops of `kind` unrolled by two (planning only)."""
+def unrolled(kind: str, factor: int | bool = 2):
+    """Traces the loops of `kind` unrolled by `factor` (True: entirely; planning and its tests)."""
     if kind not in KINDS:
         raise ValueError(f"unknown loop kind {kind!r}; expected one of {KINDS}")
-    with _UNROLLED(kind):
+    with _UNROLLED((kind, factor)):
         yield
 
 
 def scan(kind: str, body, init, xs, length: int | None = None):
     """`jax.lax.scan(body, init, xs)` over loops of `kind` (one of KINDS)."""
-    return jax.lax.scan(body, init, xs, length=length, unroll=2 if _UNROLLED.value == kind else 1)
+    value = _UNROLLED.value
+    return jax.lax.scan(body, init, xs, length=length, unroll=value[1] if value and value[0] == kind else 1)
 
 
 def map(kind: str, fn, xs):  # noqa: A001 (the lax name)

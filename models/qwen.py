@@ -9,7 +9,7 @@ Layout decisions:
 - One forward serves three callers:
   `__call__(tokens, positions, segment_ids)` for padded or packed rows (segment id 0 = padding; no
   attention across segments), `hidden_states` + `unembed` for the chunked-vocab train step (which
-  also takes `branch_ids`: sequences sharing a prefix packed once, see `attention_mask`), and
+  also takes `branch_ids`: sequences sharing a prefix packed once, see `attention.packed_ids`), and
   `decode(tokens, num_new, cache)` for the sampler's KV cache (prefill, decode and multi-turn
   extension are all "append `num_new[b]` tokens to row b").
 """
@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models import attention as attn
 from models import loops
 from models import sharding as shd
 from models.config import QwenConfig
@@ -54,7 +55,6 @@ REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
-_NEG_INF = -1e30  # finite, so fully masked rows stay NaN-free
 
 
 def param_shapes(cfg: QwenConfig) -> dict[str, tuple[int, ...]]:
@@ -153,15 +153,15 @@ class Qwen(nnx.Module):
 
         segment_ids [B, T]: tokens attend only to earlier tokens of the same segment; 0 marks
         padding. positions [B, T]: RoPE positions; default restarts at 0 in every segment run.
-        branch_ids [B, T]: optional prefix sharing inside segments (`attention_mask`).
+        branch_ids [B, T]: optional prefix sharing inside segments (`attention.packed_ids`).
         """
         tokens = jnp.asarray(tokens)
         if segment_ids is None:
             segment_ids = jnp.ones(tokens.shape, jnp.int32)
         if positions is None:
             positions = positions_from_segments(segment_ids)
-        mask = attention_mask(segment_ids, positions, branch_ids)
-        x, _ = self._run_layers(tokens, positions, mask, cache=None)
+        ids = attn.packed_ids(segment_ids, positions, branch_ids)
+        x, _ = self._run_layers(tokens, positions, ids, cache=None)
         return x
 
     def decode(self, tokens, num_new, cache: KVCache, layer_weights=None) -> tuple[jax.Array, KVCache]:
@@ -184,8 +184,8 @@ class Qwen(nnx.Module):
         t = jnp.arange(T)
         positions = cache.lengths[:, None] + t[None, :]
         slots = jnp.where(t[None, :] < num_new[:, None], positions, cache.max_len)  # OOB -> dropped
-        mask = jnp.arange(cache.max_len)[None, None, :] <= positions[:, :, None]  # [B, T, S]
-        x, (k, v) = self._run_layers(tokens, positions, mask, cache=(cache.k, cache.v, slots),
+        ids = attn.cache_ids(positions, cache.max_len)
+        x, (k, v) = self._run_layers(tokens, positions, ids, cache=(cache.k, cache.v, slots),
                                      layer_weights=layer_weights)
         lengths = jnp.minimum(cache.lengths + num_new, cache.max_len)
         return x, KVCache(k=k, v=v, lengths=lengths)
@@ -224,7 +224,7 @@ class Qwen(nnx.Module):
         return (self.embed if self.lm_head is None else self.lm_head)[...]
 
     # -- internals ---------------------------------------------------------------------------------
-    def _run_layers(self, tokens, positions, mask, cache=None, layer_weights=None):
+    def _run_layers(self, tokens, positions, ids, cache=None, layer_weights=None):
         """-> (final-normed hidden, cache). cache: None, or (k, v [L,B,S,K,D], slots [B,T]) to write
         the new tokens' K/V at and attend over (slots past the end are dropped)."""
         cfg = self.cfg
@@ -233,7 +233,7 @@ class Qwen(nnx.Module):
         x = jnp.take(self.embed[...], tokens, axis=0).astype(dtype).astype(jnp.float32)
         x = shd.constrain(x, ("batch", "seq", "act_embed"), self.mesh)
         cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
-        layer = functools.partial(_decoder_layer, cfg=cfg, cos=cos, sin=sin, mask=mask, mesh=self.mesh,
+        layer = functools.partial(_decoder_layer, cfg=cfg, cos=cos, sin=sin, ids=ids, mesh=self.mesh,
                                   decode_layout=layer_weights is not None)
         if cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat])
@@ -293,7 +293,7 @@ def _project(names: tuple[str, ...], x, w: dict, out_shapes, decode_layout: bool
     return tuple(p.reshape(*x.shape[:2], *s) for p, s in zip(parts, out_shapes))
 
 
-def _decoder_layer(p: dict[str, jax.Array], x, kv, layer, slots, *, cfg: QwenConfig, cos, sin, mask, mesh,
+def _decoder_layer(p: dict[str, jax.Array], x, kv, layer, slots, *, cfg: QwenConfig, cos, sin, ids, mesh,
                    decode_layout: bool = False):
     """One pre-norm decoder layer -> (x, kv). p: one layer's weights, stored layout or (with
     decode_layout) `Qwen.layer_weights`'.
@@ -314,12 +314,13 @@ def _decoder_layer(p: dict[str, jax.Array], x, kv, layer, slots, *, cfg: QwenCon
         k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     q = shd.constrain(q, ("batch", "seq", "q_heads", "head_dim"), mesh)
+    attend = functools.partial(attn.attention, ids=ids, implementation=cfg.attention, block=cfg.attention_block)
     if kv is None:
-        o = attention(q, k, v, mask)
+        o = attend(q, k, v)
     else:
         rows = jnp.arange(k.shape[0])[:, None]
         kv = tuple(c.at[layer, rows, slots].set(new.astype(c.dtype), mode="drop") for c, new in zip(kv, (k, v)))
-        o = attention(q, kv[0][layer].astype(dtype), kv[1][layer].astype(dtype), mask)
+        o = attend(q, kv[0][layer].astype(dtype), kv[1][layer].astype(dtype))
     x = x + proj(("o_proj",), o, out_shapes=((E,),))[0]
     x = shd.constrain(x, ("batch", "seq", "act_embed"), mesh)
     h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps).astype(dtype)
@@ -327,21 +328,6 @@ def _decoder_layer(p: dict[str, jax.Array], x, kv, layer, slots, *, cfg: QwenCon
     x = x + proj(("down_proj",), jax.nn.silu(gate) * up, out_shapes=((E,),))[0]
     x = shd.constrain(x, ("batch", "seq", "act_embed"), mesh)
     return x, kv
-
-
-def attention(q, k, v, mask) -> jax.Array:
-    """Grouped-query attention. q [B,T,H,D], k/v [B,S,K,D], mask [B,T,S] bool -> [B,T,H,D].
-
-    Scores and softmax in float32 (as transformers does), probabilities cast back for the value
-    product.
-    """
-    B, T, H, D = q.shape
-    K = k.shape[2]
-    qg = q.reshape(B, T, K, H // K, D)
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (D ** -0.5)
-    s = jnp.where(mask[:, None, None], s, _NEG_INF)
-    probs = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(B, T, H, D)
 
 
 def rms_norm(x, weight, eps: float) -> jax.Array:
@@ -365,32 +351,6 @@ def apply_rope(x, cos, sin) -> jax.Array:
     x1, x2 = jnp.split(x32, 2, axis=-1)
     rotated = x32 * cos[:, :, None, :] + jnp.concatenate([-x2, x1], axis=-1) * sin[:, :, None, :]
     return rotated.astype(x.dtype)
-
-
-def attention_mask(segment_ids, positions, branch_ids=None) -> jax.Array:
-    """[B, T] each -> bool [B, T, T]: whether token i (axis 1) attends to token j (axis 2).
-
-    Causal within a segment. With `branch_ids`, a segment is a *trunk* (branch 0) followed by
-    branches 1, 2, ...: each branch is a continuation of a prefix of the trunk, its positions going
-    on from the prefix length, and it attends to the trunk tokens before its first position and to
-    its own earlier tokens, never to other branches. So sequences that share a prefix (forecasting
-    examples of one trajectory) compute exactly what they would alone, with the prefix packed once.
-    """
-    segment_ids, positions = jnp.asarray(segment_ids), jnp.asarray(positions)
-    idx = jnp.arange(segment_ids.shape[1])
-    mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (idx[:, None] >= idx[None, :])[None]
-    if branch_ids is None:
-        return mask
-    branch_ids = jnp.asarray(branch_ids)
-    # first position of each token's (segment, branch) run: how much of the trunk a branch sees
-    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
-                              (segment_ids[:, 1:] != segment_ids[:, :-1]) | (branch_ids[:, 1:] != branch_ids[:, :-1])],
-                             axis=1)
-    run_start = jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
-    first_pos = jnp.take_along_axis(positions, run_start, axis=1)
-    same_branch = branch_ids[:, :, None] == branch_ids[:, None, :]
-    trunk_prefix = (branch_ids[:, None, :] == 0) & (positions[:, None, :] < first_pos[:, :, None])
-    return mask & (same_branch | trunk_prefix)
 
 
 def positions_from_segments(segment_ids) -> jax.Array:

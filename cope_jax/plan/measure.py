@@ -8,7 +8,8 @@ refusal is a result ("does not fit", with the compiler's numbers), not an error.
 Cost is the compiler's `cost_analysis` (FLOPs and HBM bytes per chip). It counts a loop body once,
 so each loop kind with more than one trip is compiled once more unrolled by two
 (`models.loops.unrolled`): the difference is one iteration, and the program's cost is the counted
-cost plus (trips - 1) iterations per kind. The partitioner makes loops of its own too (a windowed
+cost plus (trips - 1) iterations per kind (times the enclosing trips for a loop inside a
+counted loop: the blockwise attention inside each decoder layer). The partitioner makes loops of its own too (a windowed
 einsum overlaps an FSDP all-gather with slices of the matmul), which no flag of ours unrolls, so the
 cost compiles turn those off (`COST_OPTIONS`): they move the same FLOPs and bytes, only in one piece.
 The GPU compiler reports no cost, so GPU estimates use the analytical counts; so do programs whose
@@ -117,14 +118,14 @@ def _compiler_cost(program: Program, target: Target) -> tuple[float, float] | No
     try:
         base = _counted(program.lower().compile(compiler_options=options))
         flops, hbm = base
-        for kind, trips in program.loops.items():
-            if trips <= 1:
+        for kind, loop in program.loops.items():
+            if loop.trips <= 1:
                 continue
             with loops.unrolled(kind):
                 f2, b2 = _counted(program.lower().compile(compiler_options=options))
-            per = loops.trips_counted(trips)
-            flops += (trips - 1) * (f2 - base[0]) / per
-            hbm += (trips - 1) * (b2 - base[1]) / per
+            per = loops.trips_counted(loop.trips)
+            flops += loop.times * (loop.trips - 1) * (f2 - base[0]) / per
+            hbm += loop.times * (loop.trips - 1) * (b2 - base[1]) / per
     except Exception as e:
         if _OOM.search(str(e)):
             return None

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,9 +30,18 @@ from cope_jax import train_step as ts
 from cope_jax.logprobs import chunk_positions
 from cope_jax.methods import TERMS, get_method
 from cope_jax.sampler import Sampler
+from models import attention as attn
 from models import qwen
 from models import sharding as shd
 from models.config import QwenConfig
+
+
+class Loop(NamedTuple):
+    """A loop kind of a program: `trips` iterations, run `times` times by the counted program (a
+    loop inside the scanned decoder layer runs once per layer, and the layer body is counted once)."""
+
+    trips: int
+    times: int = 1
 
 
 @dataclasses.dataclass
@@ -41,7 +50,7 @@ class Program:
     lower: Callable[[], "jax.stages.Lowered"]  # traces afresh (under `loops.unrolled` too)
     shape: str                  # what one call processes, for the report
     tokens: int                 # tokens per call, all chips together
-    loops: dict[str, int]       # loop kind -> trips
+    loops: dict[str, Loop]      # loop kind -> its trips
     param_bytes: int            # per chip: parameters among the arguments
     optimizer_bytes: int        # per chip: optimizer state among the arguments
     resident_bytes: int         # per chip: buffers alive meanwhile that are not arguments
@@ -100,7 +109,7 @@ def _trainer_programs(c, model_cfg, layout: Layout, graphdef, state, spec) -> li
     ways = _row_ways(rows, mesh) * _tp(mesh)
     loss = run_config.loss_config(c)
     chunks = -(-T // chunk_positions(rows, T, loss.logits_chunk_tokens))
-    loops = {"layers": model_cfg.num_layers, "chunks": chunks}
+    loops = {"layers": Loop(model_cfg.num_layers), "chunks": Loop(chunks), **_attention_loop(model_cfg, T, T, True)}
     shape = f"{rows} x {T}"
 
     def step(loss_cfg, with_entropy):
@@ -113,16 +122,16 @@ def _trainer_programs(c, model_cfg, layout: Layout, graphdef, state, spec) -> li
     out = [
         Program("train_step", step(loss, with_entropy), shape, rows * T, loops, layout.params_bytes,
                 layout.optimizer_bytes, reference + layout.replica_bytes,
-                _train_flops(model_cfg, T, model_cfg.remat) * rows * T / ways),
+                _train_flops(model_cfg, T) * rows * T / ways),
         Program("logprobs", lambda: logprobs.lower(params, batch), shape, rows * T, loops, layout.params_bytes, 0,
                 layout.optimizer_bytes + reference + layout.replica_bytes,
-                _forward_flops(model_cfg, T, logits=True) * rows * T / ways),
+                _forward_flops(model_cfg, T, T, packed=True, logits=True) * rows * T / ways),
     ]
     if c.warmstart.steps > 0:
         ws_loss, _ = run_config.warmstart_configs(c)
         out.append(Program("warmstart_step", step(ws_loss, False), shape, rows * T, loops, layout.params_bytes,
                            layout.optimizer_bytes, layout.replica_bytes,
-                           _train_flops(model_cfg, T, model_cfg.remat) * rows * T / ways))
+                           _train_flops(model_cfg, T) * rows * T / ways))
     return out
 
 
@@ -163,11 +172,13 @@ def _sampler_programs(c, model_cfg, layout: Layout, replica) -> list[Program]:
 
     cache = sampler.abstract_state().cache
     cache_bytes = per_chip_bytes((cache.k, cache.v))
-    decode_flops = _forward_flops(model_cfg, W, logits=True) * B / ways
+    decode_flops = _forward_flops(model_cfg, 1, W, packed=False, logits=True) * B / ways
+    layers = {"layers": Loop(model_cfg.num_layers)}
     return [
-        Program("prefill", lower("prefill"), f"{B} x {chunk} into {W}", B * chunk, {"layers": model_cfg.num_layers},
-                param_bytes, 0, resident, _forward_flops(model_cfg, W, logits=False) * B * chunk / ways),
-        Program("decode", lower("decode"), f"{B} rows, window {W}", B, {"layers": model_cfg.num_layers},
+        Program("prefill", lower("prefill"), f"{B} x {chunk} into {W}", B * chunk,
+                {**layers, **_attention_loop(model_cfg, chunk, W, False)}, param_bytes, 0, resident,
+                _forward_flops(model_cfg, chunk, W, packed=False, logits=False) * B * chunk / ways),
+        Program("decode", lower("decode"), f"{B} rows, window {W}", B, {**layers, **_attention_loop(model_cfg, 1, W, False)},
                 param_bytes, 0, resident, decode_flops, analytic_bytes=param_bytes + cache_bytes),
     ]
 
@@ -179,24 +190,43 @@ def layer_matmul_params(cfg: QwenConfig) -> int:
     return cfg.num_layers * (E * (H + 2 * K) * D + H * D * E + 3 * E * F)
 
 
-def _attention_flops(cfg: QwenConfig, keys: int) -> int:
-    """Scores and weighted values of one query over `keys` keys, all layers (dense: masked keys count)."""
+def _attention_flops(cfg: QwenConfig, keys: float) -> float:
+    """Scores and weighted values of one query over `keys` keys, all layers (masked keys count)."""
     return 4 * cfg.num_layers * keys * cfg.num_heads * cfg.head_dim
 
 
-def _forward_flops(cfg: QwenConfig, keys: int, *, logits: bool) -> float:
-    """One token's forward over `keys` keys, with or without the head."""
+def _forward_flops(cfg: QwenConfig, T: int, S: int, *, packed: bool, logits: bool) -> float:
+    """One token's forward, one of T queries over S keys, with or without the head."""
     head = 2 * cfg.hidden_size * cfg.vocab_size if logits else 0
-    return 2 * layer_matmul_params(cfg) + _attention_flops(cfg, keys) + head
+    return 2 * layer_matmul_params(cfg) + _attention_flops(cfg, _keys_computed(cfg, T, S, packed)) + head
 
 
-def _train_flops(cfg: QwenConfig, T: int, remat: str) -> float:
-    """6 N per token for the layers (+2 N recomputed under full remat), attention forward, backward
-    (and recomputed under any remat: its dots have batch dimensions), and the chunked head: forward,
-    recomputed logits, and the two gradient products."""
-    matmul = (6 + (2 if remat == "full" else 0)) * layer_matmul_params(cfg)
-    attention = (3 + (1 if remat != "none" else 0)) * _attention_flops(cfg, T)
+def _train_flops(cfg: QwenConfig, T: int) -> float:
+    """6 N per token for the layers (+2 N recomputed under full remat); attention forward, recomputed
+    under any remat (its dots have batch dimensions), and backward (twice the forward for dense;
+    blockwise recomputes each block's scores: 2.5 times); and the chunked head: forward, recomputed
+    logits, and the two gradient products."""
+    matmul = (6 + (2 if cfg.remat == "full" else 0)) * layer_matmul_params(cfg)
+    backward = 2.5 if attn.choose(cfg.attention, T, T, cfg.attention_block) == "blockwise" else 2
+    passes = 1 + (1 if cfg.remat != "none" else 0) + backward
+    attention = passes * _attention_flops(cfg, _keys_computed(cfg, T, T, True))
     return matmul + attention + 4 * 2 * cfg.hidden_size * cfg.vocab_size
+
+
+def _keys_computed(cfg: QwenConfig, T: int, S: int, packed: bool) -> float:
+    """Keys each query's scores are computed for: all S (dense), or those of the blocks visited."""
+    if attn.choose(cfg.attention, T, S, cfg.attention_block) == "dense":
+        return S
+    blocks = attn.block_layout(T, S, cfg.attention_block, packed)
+    return len(blocks.pairs) * blocks.bq * blocks.bk / T
+
+
+def _attention_loop(cfg: QwenConfig, T: int, S: int, packed: bool) -> dict[str, Loop]:
+    """The blockwise pair loop of T queries over S keys, inside every decoder layer; none for dense."""
+    if attn.choose(cfg.attention, T, S, cfg.attention_block) == "dense":
+        return {}
+    pairs = len(attn.block_layout(T, S, cfg.attention_block, packed).pairs)
+    return {"attention": Loop(pairs, cfg.num_layers if cfg.scan_layers else 1)}
 
 
 def _row_ways(rows: int, mesh) -> int:

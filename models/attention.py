@@ -1,0 +1,286 @@
+"""Grouped-query attention: one entry point, the implementation chosen by `QwenConfig.attention`.
+
+Which key a query may see is computed from per-token ids (`MaskIds`), never passed in as a
+`[T, S]` array, so an implementation can evaluate the mask one block at a time:
+- `dense`: scores `[B, K, G, T, S]` in float32 and one softmax (transformers' arithmetic). The
+  reference, and the fastest choice for a decode step's single query per row.
+- `blockwise`: flash-style online softmax over (query block, key block) pairs with a custom VJP that
+  recomputes each block's probabilities, so memory grows with T·block, not T·S. In packed rows
+  keys come after queries in the same order, so pairs above the diagonal are never visited (half
+  the FLOPs of dense at long T). Any backend: it is plain XLA (matmuls per block).
+- `auto`: dense where one block holds every score (short rows, a decode step), blockwise otherwise.
+
+The pair loop is a `models.loops` scan of kind "attention", so `launch.plan` counts its cost.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models import loops
+
+IMPLEMENTATIONS = ("auto", "dense", "blockwise")
+NEG_INF = -1e30  # finite, so fully masked rows stay NaN-free
+_PAD_Q, _PAD_K = -1, -2  # segment ids of the block padding: they match nothing
+
+
+@flax.struct.dataclass
+class MaskIds:
+    """The ids the mask is computed from. Query t of row b may attend key s when
+
+        q_segment == k_segment  and  q_index >= k_index  and
+        (q_branch == k_branch  or  (k_branch == 0 and k_position < q_first))
+
+    q_* [B, T], k_* [B, S], int32. `packed`: queries and keys are the same tokens in the same order
+    (q_index == k_index == 0..T-1), so a key block after a query block is masked whole.
+    """
+
+    q_segment: jax.Array
+    q_index: jax.Array
+    q_branch: jax.Array
+    q_first: jax.Array  # first position of the query's (segment, branch) run: the trunk it sees
+    k_segment: jax.Array
+    k_index: jax.Array
+    k_branch: jax.Array
+    k_position: jax.Array
+    packed: bool = flax.struct.field(pytree_node=False, default=False)
+
+    def queries(self):
+        return self.q_segment, self.q_index, self.q_branch, self.q_first
+
+    def keys(self):
+        return self.k_segment, self.k_index, self.k_branch, self.k_position
+
+
+def packed_ids(segment_ids, positions, branch_ids=None) -> MaskIds:
+    """Ids of packed rows ([B, T] each): causal within a segment (0 = padding).
+
+    With `branch_ids`, a segment is a *trunk* (branch 0) followed by branches 1, 2, ...: each branch
+    continues a prefix of the trunk, its positions going on from the prefix length, and attends to
+    the trunk tokens before its first position and to its own earlier tokens, never to other
+    branches. So sequences sharing a prefix (forecasting examples of one trajectory) compute exactly
+    what they would alone, with the prefix packed once.
+    """
+    segment_ids = jnp.asarray(segment_ids, jnp.int32)
+    positions = jnp.asarray(positions, jnp.int32)
+    B, T = segment_ids.shape
+    index = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    if branch_ids is None:
+        branch_ids = jnp.zeros_like(segment_ids)
+    branch_ids = jnp.asarray(branch_ids, jnp.int32)
+    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
+                              (segment_ids[:, 1:] != segment_ids[:, :-1]) | (branch_ids[:, 1:] != branch_ids[:, :-1])],
+                             axis=1)
+    run_start = jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+    first = jnp.take_along_axis(positions, run_start, axis=1)
+    return MaskIds(segment_ids, index, branch_ids, first, segment_ids, index, branch_ids, positions, packed=True)
+
+
+def cache_ids(positions, max_len: int) -> MaskIds:
+    """Ids of queries at `positions` [B, T] over a KV cache of `max_len` slots: slot s is visible
+    to a query at position p when s <= p (slots hold positions)."""
+    positions = jnp.asarray(positions, jnp.int32)
+    B, T = positions.shape
+    zq = jnp.zeros((B, T), jnp.int32)
+    slots = jnp.broadcast_to(jnp.arange(max_len, dtype=jnp.int32), (B, max_len))
+    zk = jnp.zeros((B, max_len), jnp.int32)
+    return MaskIds(zq, positions, zq, zq, zk, slots, zk, slots)
+
+
+def allowed(queries, keys) -> jax.Array:
+    """(segment, index, branch, first) [B, t] and (segment, index, branch, position) [B, s]
+    -> bool [B, t, s]: the rule of `MaskIds`."""
+    qs, qi, qb, qf = (a[:, :, None] for a in queries)
+    ks, ki, kb, kp = (a[:, None, :] for a in keys)
+    return (qs == ks) & (qi >= ki) & ((qb == kb) | ((kb == 0) & (kp < qf)))
+
+
+def dense_mask(ids: MaskIds) -> jax.Array:
+    """bool [B, T, S]: the whole mask (the dense implementation and tests)."""
+    return allowed(ids.queries(), ids.keys())
+
+
+def attention(q, k, v, ids: MaskIds, *, implementation: str = "auto", block: int = 512) -> jax.Array:
+    """q [B, T, H, D], k/v [B, S, K, D] (H a multiple of K) -> [B, T, H, D]."""
+    chosen = choose(implementation, q.shape[1], k.shape[1], block)
+    if chosen == "dense":
+        return dense(q, k, v, ids)
+    return blockwise(q, k, v, ids, block=block)
+
+
+def choose(implementation: str, T: int, S: int, block: int) -> str:
+    """The implementation that runs: `auto` resolves by shape (the module docstring)."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown attention implementation {implementation!r}; expected one of {IMPLEMENTATIONS}")
+    if implementation != "auto":
+        return implementation
+    chosen = "dense" if (T == 1 or (T <= block and S <= block)) else "blockwise"
+    _log_once(chosen, T, S)
+    return chosen
+
+
+@functools.cache
+def _log_once(chosen: str, T: int, S: int) -> None:
+    if chosen == "blockwise":
+        logging.info("attention: blockwise (auto, %d queries x %d keys)", T, S)
+
+
+def dense(q, k, v, ids: MaskIds) -> jax.Array:
+    """Scores and softmax in float32 (as transformers does), probabilities cast back for the value
+    product."""
+    B, T, H, D = q.shape
+    K = k.shape[2]
+    qg = q.reshape(B, T, K, H // K, D)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (D ** -0.5)
+    s = jnp.where(dense_mask(ids)[:, None, None], s, NEG_INF)
+    probs = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(B, T, H, D)
+
+
+# -- blockwise -----------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """Static layout of one blockwise call: block sizes and the (query block, key block) pairs
+    it visits."""
+
+    bq: int
+    bk: int
+    pairs: tuple[tuple[int, int], ...]
+
+    @property
+    def padded(self) -> tuple[int, int]:
+        """(queries, keys) after padding to whole blocks."""
+        return (1 + max(i for i, _ in self.pairs)) * self.bq, (1 + max(j for _, j in self.pairs)) * self.bk
+
+
+def block_layout(T: int, S: int, block: int, packed: bool) -> Blocks:
+    """The blocks of T queries over S keys. Packed rows use one size for both, so the diagonal
+    blocks line up, and skip the pairs above the diagonal."""
+    bq, bk = min(block, _round_up(T, 8)), min(block, _round_up(S, 8))
+    if packed:
+        bq = bk = max(bq, bk)
+    nq, nk = -(-T // bq), -(-S // bk)
+    return Blocks(bq, bk, tuple((i, j) for i in range(nq) for j in range(nk) if not packed or j <= i))
+
+
+def blockwise(q, k, v, ids: MaskIds, *, block: int = 512) -> jax.Array:
+    """Online-softmax attention over (query block, key block) pairs; T and S need not be multiples
+    of the block (both are padded with ids that match nothing). A query that may see no key gets 0."""
+    B, T, H, D = q.shape
+    S, K = k.shape[1], k.shape[2]
+    blocks = block_layout(T, S, block, ids.packed)
+    Tp, Sp = blocks.padded
+    qg = _pad(q.reshape(B, T, K, H // K, D), Tp)
+    queries = tuple(_pad(a, Tp, fill) for a, fill in zip(ids.queries(), (_PAD_Q, 0, 0, 0)))
+    keys = tuple(_pad(a, Sp, fill) for a, fill in zip(ids.keys(), (_PAD_K, 0, 0, 0)))
+    out = _flash(blocks, qg, _pad(k, Sp), _pad(v, Sp), queries, keys)
+    return out[:, :T].reshape(B, T, H, D)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(blocks: Blocks, q, k, v, queries, keys):
+    return _flash_forward(blocks, q, k, v, queries, keys)[0]
+
+
+def _flash_forward(blocks: Blocks, q, k, v, queries, keys):
+    """q [B, Tp, K, G, D], k/v [B, Sp, K, D] -> (out like q, log-sum-exp [B, Tp, K, G] float32)."""
+    B, Tp, K, G, D = q.shape
+    scale = D ** -0.5
+
+    def body(carry, pair):
+        acc, m, l = carry
+        i, j = pair[0] * blocks.bq, pair[1] * blocks.bk
+        s, mask = _scores(blocks, q, k, queries, keys, i, j, scale)
+        m_old, l_old, acc_old = (_rows(x, i, blocks.bq) for x in (m, l, acc))
+        m_new = jnp.maximum(m_old, s.max(-1))
+        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+        correction = jnp.exp(m_old - m_new)
+        vb = _rows(v, j, blocks.bk)
+        pv = jnp.einsum("btkgs,bskd->btkgd", p.astype(v.dtype), vb, preferred_element_type=jnp.float32)
+        acc = _put(acc, acc_old * correction[..., None] + pv, i)
+        m = _put(m, m_new, i)
+        l = _put(l, l_old * correction + p.sum(-1), i)
+        return (acc, m, l), None
+
+    init = (jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:-1], NEG_INF, jnp.float32),
+            jnp.zeros(q.shape[:-1], jnp.float32))
+    (acc, m, l), _ = loops.scan("attention", body, init, jnp.asarray(blocks.pairs, jnp.int32))
+    seen = l > 0
+    out = (acc / jnp.where(seen, l, 1.0)[..., None]).astype(q.dtype)
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)  # inf: p = 0 in the backward
+    return out, lse
+
+
+def _flash_fwd(blocks, q, k, v, queries, keys):
+    out, lse = _flash_forward(blocks, q, k, v, queries, keys)
+    return out, (q, k, v, queries, keys, out, lse)
+
+
+def _flash_bwd(blocks: Blocks, residuals, d_out):
+    """FlashAttention-2's backward: each pair's probabilities recomputed from the saved log-sum-exp."""
+    q, k, v, queries, keys, out, lse = residuals
+    scale = q.shape[-1] ** -0.5
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, Tp, K, G]
+
+    def body(carry, pair):
+        dq, dk, dv = carry
+        i, j = pair[0] * blocks.bq, pair[1] * blocks.bk
+        s, mask = _scores(blocks, q, k, queries, keys, i, j, scale)
+        p = jnp.where(mask, jnp.exp(s - _rows(lse, i, blocks.bq)[..., None]), 0.0)
+        do = _rows(d_out, i, blocks.bq)
+        qb, kb, vb = _rows(q, i, blocks.bq), _rows(k, j, blocks.bk), _rows(v, j, blocks.bk)
+        dv = _add(dv, jnp.einsum("btkgs,btkgd->bskd", p.astype(do.dtype), do, preferred_element_type=jnp.float32), j)
+        dp = jnp.einsum("btkgd,bskd->btkgs", do, vb, preferred_element_type=jnp.float32)
+        ds = (p * (dp - _rows(delta, i, blocks.bq)[..., None]) * scale).astype(q.dtype)
+        dq = _add(dq, jnp.einsum("btkgs,bskd->btkgd", ds, kb, preferred_element_type=jnp.float32), i)
+        dk = _add(dk, jnp.einsum("btkgs,btkgd->bskd", ds, qb, preferred_element_type=jnp.float32), j)
+        return (dq, dk, dv), None
+
+    init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    (dq, dk, dv), _ = loops.scan("attention", body, init, jnp.asarray(blocks.pairs, jnp.int32))
+    no_grad = jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), (queries, keys))
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), *no_grad)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _scores(blocks: Blocks, q, k, queries, keys, i, j, scale):
+    """Block (i, j)'s scaled float32 scores [B, bq, K, G, bk] (masked to NEG_INF) and its mask
+    [B, bq, 1, 1, bk]."""
+    qb, kb = _rows(q, i, blocks.bq), _rows(k, j, blocks.bk)
+    s = jnp.einsum("btkgd,bskd->btkgs", qb, kb, preferred_element_type=jnp.float32) * scale
+    mask = allowed(tuple(_rows(a, i, blocks.bq) for a in queries),
+                   tuple(_rows(a, j, blocks.bk) for a in keys))[:, :, None, None, :]
+    return jnp.where(mask, s, NEG_INF), mask
+
+
+def _rows(x, start, size):
+    """x[:, start:start + size] (axis 1 is the token axis of every blockwise array)."""
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
+
+
+def _put(x, block, start):
+    return jax.lax.dynamic_update_slice_in_dim(x, block.astype(x.dtype), start, axis=1)
+
+
+def _add(x, block, start):
+    return _put(x, _rows(x, start, block.shape[1]) + block, start)
+
+
+def _pad(x, length: int, fill=0):
+    extra = length - x.shape[1]
+    if not extra:
+        return x
+    widths = [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2)
+    return jnp.pad(x, widths, constant_values=fill)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
