@@ -48,7 +48,9 @@ def base_config(method: str = "cope") -> ml_collections.ConfigDict:
         tasks_per_step=16, group_size=8,  # train batch (all hosts together): 16 tasks x 8 rollouts
         max_turn_tokens=512, temperature=1.0, top_p=1.0, top_k=0,
         max_len=16384,  # tokens per episode (Table 9 "maximum model length")
-        sampler_rows=128,  # concurrent episodes in each host's sampler
+        # concurrent episodes in each host's sampler; 0: the host's share of a step's episodes
+        # (tasks_per_step x group_size / hosts): more rows than that hold KV cache no step fills
+        sampler_rows=0,
         sync=False,  # lockstep rounds: bit-reproducible rollouts, no env/decode overlap
         stream_every=16,  # decode steps between hand-offs of finished turns to their environments
         prefetch_resets=True,  # reset the next step's environments during this step's rollout and update

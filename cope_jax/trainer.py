@@ -75,11 +75,12 @@ class Trainer:
         self.model = self._model()
         # each host samples with its own copy of the policy on its own devices (one host: the policy)
         self.replica = distributed.LocalReplica(self.model, self.mesh)
-        self.sampler = Sampler(self.replica.model, batch_size=c.rollout.sampler_rows, max_len=c.rollout.max_len,
+        rows = run_config.sampler_rows(c, jax.process_count())
+        self.sampler = Sampler(self.replica.model, batch_size=rows, max_len=c.rollout.max_len,
                                eos_ids=self.tokenizer.eos_ids)
         timeout = c.env.call_timeout or None
         # fewer environment slots than sampler rows would leave rows idle: only that many live episodes
-        envs = c.env.envs_per_worker or -(-c.rollout.sampler_rows // c.env.workers)
+        envs = c.env.envs_per_worker or -(-rows // c.env.workers)
         self.pool = EnvPool({c.env.family: c.env.workers}, envs_per_worker=envs, call_timeout=timeout)
         self.log = metrics_lib.MetricsLog(self.workdir, enabled=self.is_main)
         self.forecast_cfg = None

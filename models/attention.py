@@ -10,7 +10,8 @@ Which key a query may see is computed from per-token ids (`MaskIds`), never pass
   the FLOPs of dense at long T). Any backend: it is plain XLA (matmuls per block).
 - `auto`: dense where one block holds every score (short rows, a decode step), blockwise otherwise.
 
-The pair loop is a `models.loops` scan of kind "attention", so `launch.plan` counts its cost.
+The pair loop is a `models.loops.fori` of kind "attention" (a while loop: see there), so
+`launch.plan` counts its cost.
 """
 from __future__ import annotations
 
@@ -193,9 +194,11 @@ def _flash_forward(blocks: Blocks, q, k, v, queries, keys):
     B, Tp, K, G, D = q.shape
     scale = D ** -0.5
 
-    def body(carry, pair):
+    pairs = jnp.asarray(blocks.pairs, jnp.int32)
+
+    def body(n, carry):
         acc, m, l = carry
-        i, j = pair[0] * blocks.bq, pair[1] * blocks.bk
+        i, j = pairs[n, 0] * blocks.bq, pairs[n, 1] * blocks.bk
         s, mask = _scores(blocks, q, k, queries, keys, i, j, scale)
         m_old, l_old, acc_old = (_rows(x, i, blocks.bq) for x in (m, l, acc))
         m_new = jnp.maximum(m_old, s.max(-1))
@@ -206,11 +209,11 @@ def _flash_forward(blocks: Blocks, q, k, v, queries, keys):
         acc = _put(acc, acc_old * correction[..., None] + pv, i)
         m = _put(m, m_new, i)
         l = _put(l, l_old * correction + p.sum(-1), i)
-        return (acc, m, l), None
+        return acc, m, l
 
     init = (jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:-1], NEG_INF, jnp.float32),
             jnp.zeros(q.shape[:-1], jnp.float32))
-    (acc, m, l), _ = loops.scan("attention", body, init, jnp.asarray(blocks.pairs, jnp.int32))
+    acc, m, l = loops.fori("attention", len(blocks.pairs), body, init)
     seen = l > 0
     out = (acc / jnp.where(seen, l, 1.0)[..., None]).astype(q.dtype)
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)  # inf: p = 0 in the backward
@@ -228,9 +231,11 @@ def _flash_bwd(blocks: Blocks, residuals, d_out):
     scale = q.shape[-1] ** -0.5
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, Tp, K, G]
 
-    def body(carry, pair):
+    pairs = jnp.asarray(blocks.pairs, jnp.int32)
+
+    def body(n, carry):
         dq, dk, dv = carry
-        i, j = pair[0] * blocks.bq, pair[1] * blocks.bk
+        i, j = pairs[n, 0] * blocks.bq, pairs[n, 1] * blocks.bk
         s, mask = _scores(blocks, q, k, queries, keys, i, j, scale)
         p = jnp.where(mask, jnp.exp(s - _rows(lse, i, blocks.bq)[..., None]), 0.0)
         do = _rows(d_out, i, blocks.bq)
@@ -240,10 +245,10 @@ def _flash_bwd(blocks: Blocks, residuals, d_out):
         ds = (p * (dp - _rows(delta, i, blocks.bq)[..., None]) * scale).astype(q.dtype)
         dq = _add(dq, jnp.einsum("btkgs,bskd->btkgd", ds, kb, preferred_element_type=jnp.float32), i)
         dk = _add(dk, jnp.einsum("btkgs,btkgd->bskd", ds, qb, preferred_element_type=jnp.float32), j)
-        return (dq, dk, dv), None
+        return dq, dk, dv
 
     init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    (dq, dk, dv), _ = loops.scan("attention", body, init, jnp.asarray(blocks.pairs, jnp.int32))
+    dq, dk, dv = loops.fori("attention", len(blocks.pairs), body, init)
     no_grad = jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), (queries, keys))
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), *no_grad)
 

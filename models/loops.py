@@ -4,7 +4,8 @@ XLA's cost analysis counts a loop body once, whatever its trip count. `launch.pl
 per-iteration cost of each kind of loop by compiling the same program once more with that kind
 unrolled by two (`unrolled(kind)`): the difference is one iteration, so the program's cost is the
 counted cost plus (trips - 1) iterations of each kind. Every scan of the project goes through `scan`
-with its kind, so the planner's variants are the production programs, not copies of them.
+(or, inside a custom VJP, `fori`) with its kind, so the planner's variants are the production
+programs, not copies of them.
 
 The switch is a `jax.make_user_context`: it is part of jit's cache key, so a program traced under
 it never stands in for the ordinary one.
@@ -34,6 +35,30 @@ def scan(kind: str, body, init, xs, length: int | None = None):
     """`jax.lax.scan(body, init, xs)` over loops of `kind` (one of KINDS)."""
     value = _UNROLLED.value
     return jax.lax.scan(body, init, xs, length=length, unroll=value[1] if value and value[0] == kind else 1)
+
+
+def fori(kind: str, trips: int, body, init):
+    """`body(i, carry) -> carry` for i in 0..trips-1 as a `while_loop`, for loops that are never
+    differentiated (they live inside a custom VJP). Unlike a scan, a while loop is not split into
+    known and unknown halves when an enclosing scan is differentiated under remat, which would
+    stack every iteration's known values (e.g. attention masks) as residuals. Unrolled by `factor`
+    like `scan`: `factor` bodies per iteration and the remainder peeled after the loop."""
+    value = _UNROLLED.value
+    factor = value[1] if value and value[0] == kind else 1
+    if factor is True:
+        factor = trips
+    rounds, rest = divmod(trips, factor)
+
+    def step(state):
+        i, carry = state
+        for u in range(factor):
+            carry = body(i * factor + u, carry)
+        return i + 1, carry
+
+    _, carry = jax.lax.while_loop(lambda state: state[0] < rounds, step, (jax.numpy.int32(0), init))
+    for u in range(rest):
+        carry = body(rounds * factor + u, carry)
+    return carry
 
 
 def map(kind: str, fn, xs):  # noqa: A001 (the lax name)

@@ -231,7 +231,7 @@ class Qwen(nnx.Module):
         dtype = jnp.dtype(cfg.dtype)
         # the residual stream stays float32; matmul inputs are cast to the compute dtype
         x = jnp.take(self.embed[...], tokens, axis=0).astype(dtype).astype(jnp.float32)
-        x = shd.constrain(x, ("batch", "seq", "act_embed"), self.mesh)
+        x = shd.constrain(x, ("batch", "act_seq", "act_embed"), self.mesh)
         cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
         layer = functools.partial(_decoder_layer, cfg=cfg, cos=cos, sin=sin, ids=ids, mesh=self.mesh,
                                   decode_layout=layer_weights is not None)
@@ -322,11 +322,11 @@ def _decoder_layer(p: dict[str, jax.Array], x, kv, layer, slots, *, cfg: QwenCon
         kv = tuple(c.at[layer, rows, slots].set(new.astype(c.dtype), mode="drop") for c, new in zip(kv, (k, v)))
         o = attend(q, kv[0][layer].astype(dtype), kv[1][layer].astype(dtype))
     x = x + proj(("o_proj",), o, out_shapes=((E,),))[0]
-    x = shd.constrain(x, ("batch", "seq", "act_embed"), mesh)
+    x = shd.constrain(x, ("batch", "act_seq", "act_embed"), mesh)
     h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps).astype(dtype)
     gate, up = proj(("gate_proj", "up_proj"), h, out_shapes=((F,), (F,)))
     x = x + proj(("down_proj",), jax.nn.silu(gate) * up, out_shapes=((E,),))[0]
-    x = shd.constrain(x, ("batch", "seq", "act_embed"), mesh)
+    x = shd.constrain(x, ("batch", "act_seq", "act_embed"), mesh)
     return x, kv
 
 

@@ -31,6 +31,9 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     "seq": (),
     "cache_seq": (),
     "act_embed": (),
+    # the residual stream between layers: tokens over tp (sequence parallelism), so what a layer
+    # saves for the backward pass is 1/tp of the row; XLA gathers them where a layer needs all
+    "act_seq": ("tp",),
     "act_vocab": ("tp",),
 }
 

@@ -83,6 +83,19 @@ def test_greedy_equals_transformers_generate(loaded, name):
         np.testing.assert_array_equal(out.tokens[i], ref[i])
 
 
+def test_blockwise_prefill_keeps_the_greedy_tokens(loaded):
+    """Prefill chunks of 16 over 64 cache slots in key blocks of 8 (the long-row path): the same
+    greedy tokens as transformers."""
+    directory, torch_model, cfg, _ = loaded("qwen2_untied_gqa4")
+    model, _ = models.load_hf_model(directory, attention="blockwise", attention_block=8)
+    sampler = Sampler(model, batch_size=B, max_len=MAX_LEN, eos_ids=[], prefill_chunk=16)
+    prompts = _prompts(cfg.vocab_size, seed=3)
+    out = sampler.generate(sampler.start(prompts), max_new_tokens=16, greedy=True)
+    ref = _hf_greedy(torch_model, prompts, 16)
+    for i in range(B):
+        np.testing.assert_array_equal(out.tokens[i], ref[i])
+
+
 def test_logprobs_are_the_policy_log_softmax(setup):
     _, torch_model, cfg, sampler = setup
     prompts = _prompts(cfg.vocab_size, seed=1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ml_collections
 
+from cope_jax import run_config
 from cope_jax.plan.programs import Layout
 from models import qwen
 from models import sharding as shd
@@ -13,7 +14,7 @@ from models.config import QwenConfig
 def layout_warnings(c: ml_collections.ConfigDict, model_cfg: QwenConfig, layout: Layout) -> list[str]:
     out = []
     out += _rows("train.rows_per_micro", layout.rows_per_micro, layout.mesh)
-    out += _rows("rollout.sampler_rows (per host)", int(c.rollout.sampler_rows), layout.host_mesh)
+    out += _rows("rollout.sampler_rows (per host)", run_config.sampler_rows(c, layout.hosts), layout.host_mesh)
     out += _unsplit_params(model_cfg, layout.mesh)
     return out
 

@@ -151,7 +151,7 @@ def _sampler_programs(c, model_cfg, layout: Layout, replica) -> list[Program]:
     if replica is None:  # one host: the sampler reads the policy itself
         replica = qwen.abstract_placed_model(model_cfg, mesh)
     eos = model_cfg.eos_token_id
-    sampler = Sampler(replica, batch_size=int(c.rollout.sampler_rows), max_len=int(c.rollout.max_len),
+    sampler = Sampler(replica, batch_size=run_config.sampler_rows(c, layout.hosts), max_len=int(c.rollout.max_len),
                       eos_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
                       unroll_layers=False)
     # on one host the sampler's parameters are the policy's; on several, a copy on each host
