@@ -23,6 +23,9 @@ def paper_config(env: str, method: str):
                    kl_coef=p.get("kl_coef", 1e-3))
     # Qwen2.5-7B-Instruct (14B for AppWorld), converted with launch.convert; set --config.model.path.
     # The preset names the architecture, so `launch.plan` plans the run without the weights.
-    c.model.update(init="pretrained", path="", preset=p.get("policy", "Qwen2.5-7B-Instruct"))
+    # remat full: at 16k-35k-token rows the matmul outputs `dots` saves are 8 GiB per chip of a v4-32
+    # (mesh 1x4x4), too much beside the rest; full recomputes each layer's forward in the backward
+    # (about a third more matmul FLOPs). Where memory allows (`launch.plan` says), `dots` is faster.
+    c.model.update(init="pretrained", path="", preset=p.get("policy", "Qwen2.5-7B-Instruct"), remat="full")
     c.tokenizer = "model"
     return c

@@ -112,8 +112,8 @@ class LocalReplica:
     """The policy's parameters on this host's devices, for this host's sampler.
 
     `model` is the policy itself on one host (the sampler reads the live parameters). On several
-    hosts it is a copy laid out on `local_mesh(mesh)` (this host's devices) with the same logical
-    sharding, refreshed by
+    hosts it is a copy in the compute dtype (`qwen.frozen_config`) laid out on `local_mesh(mesh)`
+    (this host's devices) with the same logical sharding, refreshed by
     `refresh()` before each rollout batch: one jitted reshard to a mesh with a leading `host` axis
     (replicated over hosts, sharded within each as on the local mesh), whose shards on this host
     are then wrapped as local arrays without another copy.
@@ -139,8 +139,10 @@ class LocalReplica:
         shardings = qwen.state_shardings(params, local)
         self._host_shardings = jax.tree.map(lambda s: NamedSharding(self._host_mesh, s.spec), shardings)
         self._local_shardings = shardings
-        self._gather = jax.jit(lambda p: p, out_shardings=self._host_shardings)
-        graphdef, _ = nnx.split(qwen.abstract_model(model.cfg, local))
+        cfg = qwen.frozen_config(model.cfg)  # the sampler only runs forward passes
+        cast = lambda p: jax.tree.map(lambda a: a.astype(cfg.param_dtype), p)
+        self._gather = jax.jit(cast, out_shardings=self._host_shardings)
+        graphdef, _ = nnx.split(qwen.abstract_model(cfg, local))
         self.model = nnx.merge(graphdef, self._local_view(params))
 
     def refresh(self) -> None:

@@ -241,7 +241,7 @@ class Trainer:
         c = self.config
         needs_ref = "kl" in self.spec.terms and c.train.kl_coef != 0
         # the policy RL starts from; its own buffers (the learner donates the policy's)
-        ref_model = _copy_model(self.model) if needs_ref else None
+        ref_model = models.qwen.frozen_copy(self.model) if needs_ref else None
         learner = Learner(self.model, self.loss_cfg, self.opt_cfg, mesh=self.mesh)
         tasks_it = self.task_iterator()
         base_key = distributed.replicate(jax.random.key(c.seed), self.mesh)
@@ -317,11 +317,6 @@ def _bucketed(minibatches):
         n = mb.batch.num_micro
         mb.batch = pad_micro(mb.batch, 1 << (n - 1).bit_length())
     return minibatches
-
-
-def _copy_model(model):
-    graphdef, state = nnx.split(model)
-    return nnx.merge(graphdef, jax.tree.map(lambda a: a.copy(), state))
 
 
 def _corpus(family, config) -> list[str]:

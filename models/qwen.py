@@ -15,6 +15,7 @@ Layout decisions:
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import flax.struct
@@ -251,7 +252,7 @@ class Qwen(nnx.Module):
             for i in range(cfg.num_layers):
                 p = layer_weights[i] if layer_weights is not None else jax.tree.map(lambda a: a[i], params)
                 (x, kv), _ = body((x, kv), (p, i))
-        x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps).astype(dtype)
+        x = rms_norm(x, self.final_norm[...].astype(dtype), cfg.rms_norm_eps).astype(dtype)
         return x, kv
 
 
@@ -380,6 +381,22 @@ def state_shardings(state, mesh: jax.sharding.Mesh):
     def one(path, leaf):
         return shd.named_sharding(PARAM_AXES[param_path(path)], leaf.shape, mesh)
     return jax.tree_util.tree_map_with_path(one, state)
+
+
+def frozen_config(cfg: QwenConfig) -> QwenConfig:
+    """The config of a copy that only runs forward passes (the reference policy, a host's sampler
+    replica): parameters stored in the compute dtype. Every weight is cast to the compute dtype where
+    it is used, so such a copy computes exactly what the model does, in half the memory of float32
+    parameters (Qwen2.5-7B on a 4-chip host: 3.6 instead of 7.1 GiB per chip)."""
+    return dataclasses.replace(cfg, param_dtype=cfg.dtype)
+
+
+def frozen_copy(model: Qwen) -> Qwen:
+    """A copy of `model` on `frozen_config`: same shardings, parameters in the compute dtype."""
+    cfg = frozen_config(model.cfg)
+    graphdef, _ = nnx.split(abstract_model(cfg, model.mesh))
+    params = nnx.state(model, nnx.Param)
+    return nnx.merge(graphdef, jax.tree.map(lambda a: jnp.array(a, dtype=cfg.param_dtype), params))
 
 
 def abstract_model(cfg: QwenConfig, mesh=None) -> Qwen:

@@ -121,6 +121,21 @@ def test_bf16_close_to_fp32(tiny):
     assert kl.max() > 0  # really computed in bf16
 
 
+def test_a_frozen_copy_computes_exactly_what_the_model_does(tiny, rng):
+    """The reference policy and a host's sampler replica keep their weights in the compute dtype:
+    half the memory of float32 parameters, the same outputs bit for bit (every weight is cast to
+    the compute dtype where it is used), on one device and sharded over 8."""
+    directory, _, _, cfg = tiny
+    tokens = jnp.asarray(rng.randint(0, cfg.vocab_size, (4, 12)))
+    for mesh in (None, models.make_mesh((1, 4, 2))):
+        model, _ = models.load_hf_model(directory, dtype="bfloat16", param_dtype="float32", mesh=mesh)
+        frozen = qwen.frozen_copy(model)
+        pairs = list(zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(frozen, nnx.Param))))
+        assert all(a.dtype == jnp.float32 and b.dtype == jnp.bfloat16 for a, b in pairs)
+        assert all(a.sharding == b.sharding for a, b in pairs)
+        np.testing.assert_array_equal(_forward(frozen, tokens), _forward(model, tokens))
+
+
 @pytest.mark.parametrize("decode_layout", [False, True])
 def test_kv_cache_prefill_decode_equals_full_forward(tiny, rng, decode_layout):
     """Stored layout (scanned stacked weights) and the decode layout (per-layer fused [out, in]

@@ -211,6 +211,28 @@ def test_every_host_of_a_slice_gets_a_local_mesh_of_its_own_chips():
             assert sub.devices.shape == local and {d.process_index for d in sub.devices.flat} == {host}
 
 
+def test_each_host_samples_its_share_on_a_compute_dtype_replica():
+    """v5p-32 has 4 hosts: with `rollout.sampler_rows` 0 each host's sampler holds its share of a
+    step's 16 x 8 episodes (32 rows of KV cache, not 128), on a bfloat16 copy of the policy (half the
+    float32 parameters' bytes per chip); the reference policy is bfloat16 too."""
+    c = _tiny_config()
+    c.rollout.sampler_rows = 0
+    c.model.update(dtype="bfloat16", param_dtype="float32")
+    cfg = run_config.random_model_config(c, 1024)
+    devices = targets.devices(targets.get_target("v5p-32"))
+    layout, progs = programs.run_programs(c, cfg, devices, (1, 16, 1))
+    assert [p.shape for p in progs if p.name == "decode"] == ["32 rows, window 256"]
+    host_f32 = programs.per_chip_bytes(programs._params(qwen.abstract_placed_model(cfg, layout.host_mesh)))
+    assert layout.replica_bytes * 2 == host_f32
+    assert layout.reference_bytes * 2 == layout.params_bytes
+    c.rollout.sampler_rows = 48
+    assert [p.shape for p in programs.run_programs(c, cfg, devices, (1, 16, 1))[1] if p.name == "decode"] == \
+        ["48 rows, window 256"]
+    c.rollout.sampler_rows = -1
+    with pytest.raises(models.ConfigError, match="sampler_rows"):
+        run_config.sampler_rows(c, 4)
+
+
 def test_the_warm_start_step_is_planned_when_configured():
     c = _tiny_config()
     cfg = run_config.random_model_config(c, 1024)

@@ -69,7 +69,7 @@ class Layout:
     params_bytes: int      # per chip, on the global mesh
     optimizer_bytes: int   # per chip
     replica_bytes: int     # per chip: the sampler's own copy of the parameters (several hosts)
-    needs_reference: bool
+    reference_bytes: int   # per chip: the frozen reference policy (0: the run has none)
 
 
 def per_chip_bytes(tree) -> int:
@@ -88,12 +88,16 @@ def run_programs(c: ml_collections.ConfigDict, model_cfg: QwenConfig, devices,
     host_mesh = distributed.local_mesh(mesh, process=0) if mesh is not None and hosts > 1 else mesh
     graphdef, state = ts.abstract_train_state(model_cfg, run_config.optimizer_config(c), mesh)
     params_bytes, opt_bytes = per_chip_bytes(state[0]), per_chip_bytes(state[1])
-    replica = qwen.abstract_placed_model(model_cfg, host_mesh) if hosts > 1 else None
+    # the reference policy and each host's sampler replica are frozen copies (compute dtype)
+    frozen_cfg = qwen.frozen_config(model_cfg)
+    replica = qwen.abstract_placed_model(frozen_cfg, host_mesh) if hosts > 1 else None
     spec = get_method(c.method, horizon=None if c.train.horizon < 0 else int(c.train.horizon))
+    needs_reference = "kl" in spec.terms and c.train.kl_coef != 0
+    reference = per_chip_bytes(_params(qwen.abstract_placed_model(frozen_cfg, mesh))) if needs_reference else 0
     layout = Layout(mesh=mesh, host_mesh=host_mesh, hosts=hosts, rows_per_micro=run_config.rows_per_micro(c, mesh),
                     params_bytes=params_bytes, optimizer_bytes=opt_bytes,
                     replica_bytes=0 if replica is None else per_chip_bytes(_params(replica)),
-                    needs_reference="kl" in spec.terms and c.train.kl_coef != 0)
+                    reference_bytes=reference)
     programs = [*_trainer_programs(c, model_cfg, layout, graphdef, state, spec),
                 *_sampler_programs(c, model_cfg, layout, replica)]
     return layout, programs
@@ -105,7 +109,6 @@ def _trainer_programs(c, model_cfg, layout: Layout, graphdef, state, spec) -> li
     batch = ts.abstract_batch((1, rows, T), mesh)
     coefs = {t: jax.ShapeDtypeStruct((), jnp.float32) for t in TERMS}
     shardings = jax.tree.map(lambda a: a.sharding, state)
-    reference = layout.params_bytes if layout.needs_reference else 0
     ways = _row_ways(rows, mesh) * _tp(mesh)
     loss = run_config.loss_config(c)
     chunks = -(-T // chunk_positions(rows, T, loss.logits_chunk_tokens))
@@ -121,10 +124,10 @@ def _trainer_programs(c, model_cfg, layout: Layout, graphdef, state, spec) -> li
     with_entropy = "entropy" in spec.terms and c.train.entropy_coef != 0
     out = [
         Program("train_step", step(loss, with_entropy), shape, rows * T, loops, layout.params_bytes,
-                layout.optimizer_bytes, reference + layout.replica_bytes,
+                layout.optimizer_bytes, layout.reference_bytes + layout.replica_bytes,
                 _train_flops(model_cfg, T) * rows * T / ways),
         Program("logprobs", lambda: logprobs.lower(params, batch), shape, rows * T, loops, layout.params_bytes, 0,
-                layout.optimizer_bytes + reference + layout.replica_bytes,
+                layout.optimizer_bytes + layout.reference_bytes + layout.replica_bytes,
                 _forward_flops(model_cfg, T, T, packed=True, logits=True) * rows * T / ways),
     ]
     if c.warmstart.steps > 0:
@@ -156,7 +159,7 @@ def _sampler_programs(c, model_cfg, layout: Layout, replica) -> list[Program]:
                       unroll_layers=False)
     # on one host the sampler's parameters are the policy's; on several, a copy on each host
     resident = ((layout.optimizer_bytes if layout.hosts == 1 else layout.params_bytes + layout.optimizer_bytes)
-                + (layout.params_bytes if layout.needs_reference else 0))
+                + layout.reference_bytes)
     param_bytes = per_chip_bytes(_params(replica))
     B, W, chunk = sampler.batch_size, sampler.max_len, sampler.chunks[-1]
     steps = int(min(c.rollout.max_turn_tokens, W))
