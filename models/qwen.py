@@ -232,10 +232,13 @@ class Qwen(nnx.Module):
         dtype = jnp.dtype(cfg.dtype)
         # the residual stream stays float32; matmul inputs are cast to the compute dtype
         x = jnp.take(self.embed[...], tokens, axis=0).astype(dtype).astype(jnp.float32)
-        x = shd.constrain(x, ("batch", "act_seq", "act_embed"), self.mesh)
+        # the residual stream of whole rows is split over tokens (act_seq); a sampler's chunk of a
+        # few tokens per row is not (and the TPU compiler fails on that split on some host meshes)
+        residual = ("batch", "act_seq" if cache is None else None, "act_embed")
+        x = shd.constrain(x, residual, self.mesh)
         cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
         layer = functools.partial(_decoder_layer, cfg=cfg, cos=cos, sin=sin, ids=ids, mesh=self.mesh,
-                                  decode_layout=layer_weights is not None)
+                                  residual=residual, decode_layout=layer_weights is not None)
         if cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat])
         params = self.layers.arrays()
@@ -295,12 +298,13 @@ def _project(names: tuple[str, ...], x, w: dict, out_shapes, decode_layout: bool
 
 
 def _decoder_layer(p: dict[str, jax.Array], x, kv, layer, slots, *, cfg: QwenConfig, cos, sin, ids, mesh,
-                   decode_layout: bool = False):
+                   residual, decode_layout: bool = False):
     """One pre-norm decoder layer -> (x, kv). p: one layer's weights, stored layout or (with
     decode_layout) `Qwen.layer_weights`'.
 
     kv: None (attend over the T tokens themselves), or the stacked cache (k, v [L,B,S,K,D]): this
     layer's K/V are written at [layer, b, slots[b, t]] and attention reads cache row `layer`.
+    residual: the logical axes the residual stream is kept on.
     """
     dtype = jnp.dtype(cfg.dtype)
     w = {k: v.astype(dtype) for k, v in p.items()}
@@ -323,11 +327,11 @@ def _decoder_layer(p: dict[str, jax.Array], x, kv, layer, slots, *, cfg: QwenCon
         kv = tuple(c.at[layer, rows, slots].set(new.astype(c.dtype), mode="drop") for c, new in zip(kv, (k, v)))
         o = attend(q, kv[0][layer].astype(dtype), kv[1][layer].astype(dtype))
     x = x + proj(("o_proj",), o, out_shapes=((E,),))[0]
-    x = shd.constrain(x, ("batch", "act_seq", "act_embed"), mesh)
+    x = shd.constrain(x, residual, mesh)
     h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps).astype(dtype)
     gate, up = proj(("gate_proj", "up_proj"), h, out_shapes=((F,), (F,)))
     x = x + proj(("down_proj",), jax.nn.silu(gate) * up, out_shapes=((E,),))[0]
-    x = shd.constrain(x, ("batch", "act_seq", "act_embed"), mesh)
+    x = shd.constrain(x, residual, mesh)
     return x, kv
 
 
