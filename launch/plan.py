@@ -68,7 +68,7 @@ def _config_name() -> str:
 
 def main(argv):
     cli.start(argv)
-    from cope_jax.plan import planner, report, targets
+    from cope_jax.plan import measure, planner, report, targets
     from models import ConfigError
 
     c = FLAGS.config
@@ -80,7 +80,7 @@ def main(argv):
         model_cfg, model_name = _model(c)
         log = (lambda msg: None) if FLAGS.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
         result = planner.plan(c, _config_name(), target, model_cfg, model_name, mesh, cost=FLAGS.cost, log=log)
-    except (ConfigError, ValueError) as e:
+    except (ConfigError, ValueError, measure.CompileError) as e:
         sys.exit(f"plan: error: {e}")
     if FLAGS.json:
         for record in report.json_records(result):

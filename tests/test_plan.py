@@ -233,6 +233,19 @@ def test_each_host_samples_its_share_on_a_compute_dtype_replica():
         run_config.sampler_rows(c, 4)
 
 
+def test_a_compiler_failure_is_one_line_naming_the_program():
+    """Not every compiler error is a refusal for memory (the TPU compiler has aborted on a host's
+    device assignment): the planner names the program and target instead of a traceback."""
+    def fail():
+        raise RuntimeError("INTERNAL: RET_CHECK failure (compiler.cc:12) something\nmore detail")
+
+    program = programs.Program("prefill", fail, "8 x 512 into 256", 1, {}, 0, 0, 0, 0.0)
+    with pytest.raises(measure.CompileError, match=r"^the TPU compiler failed on prefill \(8 x 512 into 256\) "
+                                                    r"for v5e-8: INTERNAL: RET_CHECK failure \(compiler.cc:12\) "
+                                                    r"something$"):
+        measure.measure(program, targets.get_target("v5e-8"), cost=False)
+
+
 def test_the_warm_start_step_is_planned_when_configured():
     c = _tiny_config()
     cfg = run_config.random_model_config(c, 1024)

@@ -64,6 +64,10 @@ _GIB = re.compile(r"(\d+(?:\.\d+)?)([KMGT])(?:i?B)?\b")
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
+class CompileError(RuntimeError):
+    """The target's compiler failed on a program for a reason other than memory."""
+
+
 def measure(program: Program, target: Target, *, cost: bool = True) -> Result:
     t0 = time.perf_counter()
     result = Result(program.name, program.shape, fits=False, compile_s=0.0, usable_bytes=target.usable_bytes,
@@ -72,7 +76,8 @@ def measure(program: Program, target: Target, *, cost: bool = True) -> Result:
         compiled = program.lower().compile()
     except Exception as e:  # the TPU compiler refuses what does not fit
         if not _OOM.search(str(e)):
-            raise
+            raise CompileError(f"the {target.platform.upper()} compiler failed on {program.name} ({program.shape}) "
+                               f"for {target.name}: {_first_line(str(e))}") from e
         result.compile_s = time.perf_counter() - t0
         result.refused = _first_line(str(e))
         result.params, result.optimizer = program.param_bytes, program.optimizer_bytes
