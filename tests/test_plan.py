@@ -233,6 +233,17 @@ def test_each_host_samples_its_share_on_a_compute_dtype_replica():
         run_config.sampler_rows(c, 4)
 
 
+def test_host_programs_compile_on_a_one_host_slice_where_the_compiler_wants_whole_slices():
+    """v5e / v6e's TPU compiler refuses (or aborts on) a program over one host's chips of a larger
+    slice: the sampler's programs compile on a one-host slice of the same chips; elsewhere on the
+    slice's own host 0."""
+    for name in ("v5e-64", "v6e-32"):
+        devices = targets.host_devices(targets.get_target(name))
+        assert len(devices) == 4 and {d.process_index for d in devices} == {0}
+    assert targets.host_devices(targets.get_target("v5p-32")) is None
+    assert targets.host_devices(targets.get_target("v5e-8")) is None  # one host: the slice itself
+
+
 def test_a_compiler_failure_is_one_line_naming_the_program():
     """Not every compiler error is a refusal for memory (the TPU compiler has aborted on a host's
     device assignment): the planner names the program and target instead of a traceback."""

@@ -77,7 +77,8 @@ def plan(c: ml_collections.ConfigDict, config_name: str, target: targets.Target,
     if mesh == "auto":
         mesh, measured = _auto_mesh(c, target, model_cfg, devices, log)
     mesh = resolve_mesh(mesh, target)
-    layout, progs = programs.run_programs(c, model_cfg, devices, mesh)
+    hosts = targets.host_devices(target)
+    layout, progs = programs.run_programs(c, model_cfg, devices, mesh, hosts)
     results = []
     for p in progs:
         log(f"compiling {p.name} ({p.shape}) for {target.name}, mesh {mesh}")
@@ -87,20 +88,24 @@ def plan(c: ml_collections.ConfigDict, config_name: str, target: targets.Target,
                 measure.add_cost(results[-1], p, target)
         else:
             results.append(measure.measure(p, target, cost=cost))
-    return Plan(config_name, model_name, target, mesh, model_cfg, results,
-                checks.layout_warnings(c, model_cfg, layout), time.perf_counter() - t0)
+    warnings = checks.layout_warnings(c, model_cfg, layout)
+    if hosts is not None:
+        warnings.append(f"{target.chip.kind}: the TPU compiler takes only programs over the whole slice; the "
+                        f"sampler's per-host programs were compiled for a one-host slice of {len(hosts)} chips")
+    return Plan(config_name, model_name, target, mesh, model_cfg, results, warnings, time.perf_counter() - t0)
 
 
 def _auto_mesh(c, target, model_cfg, devices, log):
     """The smallest tensor-parallel width (within a host) at which every program fits, and the
     memory results of its programs. When none fits, the width whose tightest program comes closest."""
     widths = [t for t in (1, 2, 4, 8) if t <= target.chips_per_host and target.chips % t == 0]
+    hosts = targets.host_devices(target)
     tried = []
     for tp in widths:
         mesh = (1, target.chips // tp, tp)
         log(f"mesh auto: trying {mesh}")
         measured = {p.name: measure.measure(p, target, cost=False)
-                    for p in programs.run_programs(c, model_cfg, devices, mesh)[1]}
+                    for p in programs.run_programs(c, model_cfg, devices, mesh, hosts)[1]}
         if all(r.fits for r in measured.values()):
             return mesh, measured
         tried.append((max(r.total / r.usable_bytes for r in measured.values()), mesh, measured))

@@ -81,11 +81,15 @@ def per_chip_bytes(tree) -> int:
     return total
 
 
-def run_programs(c: ml_collections.ConfigDict, model_cfg: QwenConfig, devices,
-                 mesh_shape) -> tuple[Layout, list[Program]]:
+def run_programs(c: ml_collections.ConfigDict, model_cfg: QwenConfig, devices, mesh_shape,
+                 host_devices=None) -> tuple[Layout, list[Program]]:
+    """`host_devices`: where one host's own programs compile (`targets.host_devices`); default
+    host 0's devices of the slice."""
     mesh = distributed.run_mesh(tuple(mesh_shape), devices)
     hosts = len({d.process_index for d in devices})
     host_mesh = distributed.local_mesh(mesh, process=0) if mesh is not None and hosts > 1 else mesh
+    if host_devices is not None and hosts > 1:
+        host_mesh = shd.make_mesh(host_mesh.devices.shape, devices=host_devices)
     graphdef, state = ts.abstract_train_state(model_cfg, run_config.optimizer_config(c), mesh)
     params_bytes, opt_bytes = per_chip_bytes(state[0]), per_chip_bytes(state[1])
     # the reference policy and each host's sampler replica are frozen copies (compute dtype)

@@ -34,13 +34,19 @@ class Chip:
     tpu_name: str = ""   # the TPU runtime's name in topology strings
     tpu_config: str = ""  # the TPU runtime's chip config ('megacore': one device per chip)
     gpu_spec: str = ""    # gpu_specs/<file>
+    # TPU: the compiler takes only programs over every chip of a multi-host slice (v5e: "limited ICI
+    # routing"; v6e aborts on a host's device ids), so a host's own programs (the sampler's) compile
+    # for a one-host slice instead
+    whole_slice_programs: bool = False
 
 
 CHIPS = {
     "v4": Chip("TPU v4", 32 * GIB, 275e12, 1228e9, int(30.75 * GIB), tpu_name="v4", tpu_config="megacore"),
-    "v5e": Chip("TPU v5e", 16 * GIB, 197e12, 819e9, int(15.75 * GIB), tpu_name="v5e", tpu_config="default"),
+    "v5e": Chip("TPU v5e", 16 * GIB, 197e12, 819e9, int(15.75 * GIB), tpu_name="v5e", tpu_config="default",
+                whole_slice_programs=True),
     "v5p": Chip("TPU v5p", 95 * GIB, 459e12, 2765e9, int(95.74 * GIB), tpu_name="v5p", tpu_config="megacore"),
-    "v6e": Chip("TPU v6e", 32 * GIB, 918e12, 1640e9, int(31.25 * GIB), tpu_name="v6e", tpu_config="default"),
+    "v6e": Chip("TPU v6e", 32 * GIB, 918e12, 1640e9, int(31.25 * GIB), tpu_name="v6e", tpu_config="default",
+                whole_slice_programs=True),
     "A100": Chip("A100-SXM4-80GB", 85100068864, 312e12, 2039e9, gpu_spec="a100_sxm_80gb.txtpb"),
     "H100": Chip("H100-SXM5-80GB", 84978434048, 989e12, 3352e9, gpu_spec="h100_sxm_80gb.txtpb"),
     "H200": Chip("H200-SXM-141GB", 150754820096, 989e12, 4800e9, gpu_spec="h200_sxm_141gb.txtpb"),
@@ -149,6 +155,16 @@ def _load_gpu_compiler() -> None:
                          f"--target {os.path.join(sys.prefix, 'gpu-compiler')} -r requirements-gpu-compiler.txt")
     xla_bridge.register_plugin("cuda", priority=500, library_path=GPU_COMPILER,
                                options=xla_client.generate_pjrt_gpu_plugin_options())
+
+
+def host_devices(target: Target) -> list | None:
+    """Devices to compile one host's own programs on: None (host 0's devices of the slice), or, on
+    a multi-host slice of a chip whose compiler takes only whole-slice programs, the devices of a
+    one-host slice of the same chip and host shape."""
+    if target.hosts == 1 or not target.chip.whole_slice_programs:
+        return None
+    shape = tuple(b for b in _host_bounds(target)[:len(target.shape)])
+    return devices(Target(f"{target.name} host", target.chip, shape, target.chips_per_host))
 
 
 def _host_bounds(target: Target) -> tuple[int, int, int]:
