@@ -216,7 +216,7 @@ def test_each_host_samples_its_share_on_a_compute_dtype_replica():
     step's 16 x 8 episodes (32 rows of KV cache, not 128), on a bfloat16 copy of the policy (half the
     float32 parameters' bytes per chip); the reference policy is bfloat16 too."""
     c = _tiny_config()
-    c.rollout.sampler_rows = 0
+    c.rollout.update(sampler_rows=0, tasks_per_step=16, group_size=8)
     c.model.update(dtype="bfloat16", param_dtype="float32")
     cfg = run_config.random_model_config(c, 1024)
     devices = targets.devices(targets.get_target("v5p-32"))
