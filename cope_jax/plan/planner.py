@@ -73,11 +73,11 @@ def plan(c: ml_collections.ConfigDict, config_name: str, target: targets.Target,
          model_name: str, mesh, *, cost: bool = True, log=lambda msg: None) -> Plan:
     t0 = time.perf_counter()
     devices = targets.devices(target)
+    hosts = targets.host_devices(target)
     measured = {}
     if mesh == "auto":
-        mesh, measured = _auto_mesh(c, target, model_cfg, devices, log)
+        mesh, measured = _auto_mesh(c, target, model_cfg, devices, hosts, log)
     mesh = resolve_mesh(mesh, target)
-    hosts = targets.host_devices(target)
     layout, progs = programs.run_programs(c, model_cfg, devices, mesh, hosts)
     results = []
     for p in progs:
@@ -95,11 +95,10 @@ def plan(c: ml_collections.ConfigDict, config_name: str, target: targets.Target,
     return Plan(config_name, model_name, target, mesh, model_cfg, results, warnings, time.perf_counter() - t0)
 
 
-def _auto_mesh(c, target, model_cfg, devices, log):
+def _auto_mesh(c, target, model_cfg, devices, hosts, log):
     """The smallest tensor-parallel width (within a host) at which every program fits, and the
     memory results of its programs. When none fits, the width whose tightest program comes closest."""
     widths = [t for t in (1, 2, 4, 8) if t <= target.chips_per_host and target.chips % t == 0]
-    hosts = targets.host_devices(target)
     tried = []
     for tp in widths:
         mesh = (1, target.chips // tp, tp)

@@ -163,7 +163,7 @@ def host_devices(target: Target) -> list | None:
     one-host slice of the same chip and host shape."""
     if target.hosts == 1 or not target.chip.whole_slice_programs:
         return None
-    shape = tuple(b for b in _host_bounds(target)[:len(target.shape)])
+    shape = _host_bounds(target)[:len(target.shape)]
     return devices(Target(f"{target.name} host", target.chip, shape, target.chips_per_host))
 
 
