@@ -7,8 +7,8 @@ sum of the outputs with respect to q, k and v.
 
 JSON lines, one per (tokens, implementation): the compiler's memory of the compiled program
 (`temp_gb`: its working set; `peak_gb`: arguments + outputs + temporaries) and, where that peak
-fits in --attention_max_run_gb, the best-of-N wall time; then one `ratio` line per length with
-blockwise over dense (memory, and time where both ran). FLOPs differ on purpose: blockwise never
+fits in --attention_max_run_gb, the best-of-N wall time; then one `ratio` line per length and
+implementation over dense (the Pallas kernel only on TPU) (memory, and time where both ran). FLOPs differ on purpose: blockwise never
 computes the key blocks after a query block (about half of dense's at long rows).
 """
 from __future__ import annotations
@@ -31,7 +31,11 @@ flags.DEFINE_float("attention_max_run_gb", None, "Time only programs whose compi
 FLAGS = flags.FLAGS
 
 GB = 1024 ** 3
-IMPLEMENTATIONS = ("dense", "blockwise")
+
+def implementations(backend: str) -> tuple[str, ...]:
+    """dense (the reference) and blockwise everywhere; the Pallas kernel where it compiles (TPU: off
+    TPU it would run in interpret mode, which measures nothing)."""
+    return ("dense", "blockwise") + (("pallas",) if backend == "tpu" else ())
 
 
 def _emit(**line):
@@ -113,12 +117,13 @@ def run(argv: list[str]) -> None:
     import jax
 
     for T in (int(t) for t in FLAGS.attention_tokens):
-        lines = {impl: measure(impl, T) for impl in IMPLEMENTATIONS}
+        lines = {impl: measure(impl, T) for impl in implementations(jax.default_backend())}
         for line in lines.values():
             _emit(backend=jax.default_backend(), **line)
-        dense, block = lines["dense"], lines["blockwise"]
-        ratio = dict(bench="attention", kind="ratio", tokens=T,
-                     temp_ratio=round(block["temp_gb"] / dense["temp_gb"], 4) if dense["temp_gb"] else None)
-        if "seconds" in dense and "seconds" in block:
-            ratio["time_ratio"] = round(block["seconds"] / dense["seconds"], 3)
-        _emit(**ratio)
+        dense = lines.pop("dense")
+        for impl, line in lines.items():
+            ratio = dict(bench="attention", kind="ratio", implementation=impl, tokens=T,
+                         temp_ratio=round(line["temp_gb"] / dense["temp_gb"], 4) if dense["temp_gb"] else None)
+            if "seconds" in dense and "seconds" in line:
+                ratio["time_ratio"] = round(line["seconds"] / dense["seconds"], 3)
+            _emit(**ratio)

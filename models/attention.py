@@ -8,7 +8,11 @@ Which key a query may see is computed from per-token ids (`MaskIds`), never pass
   recomputes each block's probabilities, so memory grows with T·block, not T·S. In packed rows
   keys come after queries in the same order, so pairs above the diagonal are never visited (half
   the FLOPs of dense at long T). Any backend: it is plain XLA (matmuls per block).
-- `auto`: dense where one block holds every score (short rows, a decode step), blockwise otherwise.
+- `pallas`: blockwise with its forward as one Pallas TPU kernel (`models/attention_kernel.py`):
+  each pair's scores stay in VMEM. Same backward as blockwise. Off TPU it runs in Pallas interpret
+  mode (exact, slow: for tests).
+- `auto`: dense where one block holds every score (short rows, a decode step); otherwise pallas on a
+  TPU where the blocks are whole (8, 128) tiles, blockwise elsewhere (GPU, CPU). Logged once per shape.
 
 The pair loop is a `models.loops.fori` of kind "attention" (a while loop: see there), so
 `launch.plan` counts its cost.
@@ -23,10 +27,12 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
 
-from models import loops
+from models import attention_kernel, loops
+from models import sharding as shd
 
-IMPLEMENTATIONS = ("auto", "dense", "blockwise")
+IMPLEMENTATIONS = ("auto", "dense", "blockwise", "pallas")
 NEG_INF = -1e30  # finite, so fully masked rows stay NaN-free
 _PAD_Q, _PAD_K = -1, -2  # segment ids of the block padding: they match nothing
 
@@ -107,29 +113,52 @@ def dense_mask(ids: MaskIds) -> jax.Array:
     return allowed(ids.queries(), ids.keys())
 
 
-def attention(q, k, v, ids: MaskIds, *, implementation: str = "auto", block: int = 512) -> jax.Array:
-    """q [B, T, H, D], k/v [B, S, K, D] (H a multiple of K) -> [B, T, H, D]."""
-    chosen = choose(implementation, q.shape[1], k.shape[1], block)
+def attention(q, k, v, ids: MaskIds, *, implementation: str = "auto", block: int = 512,
+              mesh: Mesh | None = None) -> jax.Array:
+    """q [B, T, H, D], k/v [B, S, K, D] (H a multiple of K) -> [B, T, H, D].
+
+    mesh: the devices the program is compiled for (default: the default backend's): it names the
+    platform (a program compiled ahead of time for a TPU topology on a CPU host is a TPU program) and
+    how the kernel's rows and heads are split."""
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    chosen = choose(implementation, q.shape[1], k.shape[1], q.shape[-1], block, ids.packed, platform)
     if chosen == "dense":
         return dense(q, k, v, ids)
-    return blockwise(q, k, v, ids, block=block)
+    kernel = None if chosen == "blockwise" else Kernel("tpu" if platform == "tpu" else "interpret", mesh)
+    return blockwise(q, k, v, ids, block=block, kernel=kernel)
 
 
-def choose(implementation: str, T: int, S: int, block: int) -> str:
-    """The implementation that runs: `auto` resolves by shape (the module docstring)."""
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """How the `pallas` forward runs: compiled for a TPU or in interpret mode, under which mesh
+    (the kernel is one custom call per device, so it runs inside `shard_map`)."""
+
+    mode: str  # "tpu" | "interpret"
+    mesh: Mesh | None = None
+
+
+def choose(implementation: str, T: int, S: int, head_dim: int, block: int, packed: bool,
+           platform: str) -> str:
+    """The implementation that runs: `auto` resolves by shape and platform (the module docstring)."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention implementation {implementation!r}; expected one of {IMPLEMENTATIONS}")
-    if implementation != "auto":
+    if implementation in ("dense", "blockwise"):
         return implementation
-    chosen = "dense" if (T == 1 or (T <= block and S <= block)) else "blockwise"
-    _log_once(chosen, T, S)
+    if implementation == "auto" and (T == 1 or (T <= block and S <= block)):
+        return "dense"
+    blocks = block_layout(T, S, block, packed, kernel=True)
+    kernel = attention_kernel.supports(blocks.bq, blocks.bk, head_dim) and (
+        implementation == "pallas" or platform == "tpu")
+    chosen = "pallas" if kernel else "blockwise"
+    _log_once(implementation, chosen, T, S, head_dim, block)
     return chosen
 
 
 @functools.cache
-def _log_once(chosen: str, T: int, S: int) -> None:
-    if chosen == "blockwise":
-        logging.info("attention: blockwise (auto, %d queries x %d keys)", T, S)
+def _log_once(implementation: str, chosen: str, T: int, S: int, head_dim: int, block: int) -> None:
+    why = "" if chosen != "blockwise" or implementation == "auto" else (
+        f": the kernel takes whole (8, 128) tiles, not blocks of {block} over head_dim {head_dim}")
+    logging.info("attention: %s (%s, %d queries x %d keys)%s", chosen, implementation, T, S, why)
 
 
 def dense(q, k, v, ids: MaskIds) -> jax.Array:
@@ -160,33 +189,52 @@ class Blocks:
         return (1 + max(i for i, _ in self.pairs)) * self.bq, (1 + max(j for _, j in self.pairs)) * self.bk
 
 
-def block_layout(T: int, S: int, block: int, packed: bool) -> Blocks:
+def block_layout(T: int, S: int, block: int, packed: bool, kernel: bool = False) -> Blocks:
     """The blocks of T queries over S keys. Packed rows use one size for both, so the diagonal
-    blocks line up, and skip the pairs above the diagonal."""
-    bq, bk = min(block, _round_up(T, 8)), min(block, _round_up(S, 8))
+    blocks line up, and skip the pairs above the diagonal. The kernel's key blocks are whole lanes
+    (multiples of 128)."""
+    bq, bk = min(block, _round_up(T, 8)), min(block, _round_up(S, 128 if kernel else 8))
     if packed:
         bq = bk = max(bq, bk)
     nq, nk = -(-T // bq), -(-S // bk)
     return Blocks(bq, bk, tuple((i, j) for i in range(nq) for j in range(nk) if not packed or j <= i))
 
 
-def blockwise(q, k, v, ids: MaskIds, *, block: int = 512) -> jax.Array:
+def blockwise(q, k, v, ids: MaskIds, *, block: int = 512, kernel: Kernel | None = None) -> jax.Array:
     """Online-softmax attention over (query block, key block) pairs; T and S need not be multiples
-    of the block (both are padded with ids that match nothing). A query that may see no key gets 0."""
+    of the block (both are padded with ids that match nothing). A query that may see no key gets 0.
+    kernel: None (the forward as an XLA loop), or how the Pallas forward runs (`pallas`)."""
     B, T, H, D = q.shape
     S, K = k.shape[1], k.shape[2]
-    blocks = block_layout(T, S, block, ids.packed)
+    blocks = block_layout(T, S, block, ids.packed, kernel is not None)
     Tp, Sp = blocks.padded
     qg = _pad(q.reshape(B, T, K, H // K, D), Tp)
     queries = tuple(_pad(a, Tp, fill) for a, fill in zip(ids.queries(), (_PAD_Q, 0, 0, 0)))
     keys = tuple(_pad(a, Sp, fill) for a, fill in zip(ids.keys(), (_PAD_K, 0, 0, 0)))
-    out = _flash(blocks, qg, _pad(k, Sp), _pad(v, Sp), queries, keys)
+    out = _flash(blocks, kernel, ids.packed, qg, _pad(k, Sp), _pad(v, Sp), queries, keys)
     return out[:, :T].reshape(B, T, H, D)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(blocks: Blocks, q, k, v, queries, keys):
-    return _flash_forward(blocks, q, k, v, queries, keys)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _flash(blocks: Blocks, kernel: Kernel | None, packed: bool, q, k, v, queries, keys):
+    return _forward(blocks, kernel, packed, q, k, v, queries, keys)[0]
+
+
+def _forward(blocks: Blocks, kernel: Kernel | None, packed: bool, q, k, v, queries, keys):
+    """-> (out, log-sum-exp): the Pallas kernel or the XLA loop; both compute `_flash_forward`."""
+    if kernel is None:
+        return _flash_forward(blocks, q, k, v, queries, keys)
+    forward = functools.partial(attention_kernel.forward, blocks.bq, blocks.bk, packed,
+                                interpret=kernel.mode == "interpret")
+    mesh = kernel.mesh
+    if mesh is None or mesh.size == 1:
+        return forward(q, k, v, queries, keys)
+    # rows over the batch axes, heads over tp by KV head where it divides, else by query group
+    qs = shd.logical_to_spec(("batch", None, "kv_heads", "q_heads", None), q.shape, mesh)
+    ks = P(qs[0], None, qs[2], None)
+    ids = P(qs[0], None)
+    return jax.shard_map(forward, mesh=mesh, in_specs=(qs, ks, ks, (ids,) * 4, (ids,) * 4),
+                         out_specs=(qs, P(*qs[:4])), check_vma=False)(q, k, v, queries, keys)
 
 
 def _flash_forward(blocks: Blocks, q, k, v, queries, keys):
@@ -220,12 +268,12 @@ def _flash_forward(blocks: Blocks, q, k, v, queries, keys):
     return out, lse
 
 
-def _flash_fwd(blocks, q, k, v, queries, keys):
-    out, lse = _flash_forward(blocks, q, k, v, queries, keys)
+def _flash_fwd(blocks, kernel, packed, q, k, v, queries, keys):
+    out, lse = _forward(blocks, kernel, packed, q, k, v, queries, keys)
     return out, (q, k, v, queries, keys, out, lse)
 
 
-def _flash_bwd(blocks: Blocks, residuals, d_out):
+def _flash_bwd(blocks: Blocks, kernel: Kernel | None, packed: bool, residuals, d_out):
     """FlashAttention-2's backward: each pair's probabilities recomputed from the saved log-sum-exp."""
     q, k, v, queries, keys, out, lse = residuals
     scale = q.shape[-1] ** -0.5

@@ -230,8 +230,9 @@ class Qwen(nnx.Module):
         the new tokens' K/V at and attend over (slots past the end are dropped)."""
         cfg = self.cfg
         dtype = jnp.dtype(cfg.dtype)
-        # the residual stream stays float32; matmul inputs are cast to the compute dtype
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(dtype).astype(jnp.float32)
+        # between layers the residual stream is kept in the compute dtype (remat saves one per layer);
+        # each layer adds to it in float32 (see _decoder_layer)
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(dtype)
         # the residual stream of whole rows is split over tokens (act_seq); a sampler's chunk of a
         # few tokens per row is not (and the TPU compiler fails on that split on some host meshes)
         residual = ("batch", "act_seq" if cache is None else None, "act_embed")
@@ -305,8 +306,12 @@ def _decoder_layer(p: dict[str, jax.Array], x, kv, layer, slots, *, cfg: QwenCon
     kv: None (attend over the T tokens themselves), or the stacked cache (k, v [L,B,S,K,D]): this
     layer's K/V are written at [layer, b, slots[b, t]] and attention reads cache row `layer`.
     residual: the logical axes the residual stream is kept on.
+    x arrives and leaves in the compute dtype and is summed in float32 within the layer: one rounding
+    per layer (transformers rounds after each add), and half the bytes a float32 stream would take in
+    what remat saves per layer.
     """
     dtype = jnp.dtype(cfg.dtype)
+    x = x.astype(jnp.float32)
     w = {k: v.astype(dtype) for k, v in p.items()}
     H, K, D, E, F = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
     proj = functools.partial(_project, w=w, decode_layout=decode_layout)
@@ -319,7 +324,8 @@ def _decoder_layer(p: dict[str, jax.Array], x, kv, layer, slots, *, cfg: QwenCon
         k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     q = shd.constrain(q, ("batch", "seq", "q_heads", "head_dim"), mesh)
-    attend = functools.partial(attn.attention, ids=ids, implementation=cfg.attention, block=cfg.attention_block)
+    attend = functools.partial(attn.attention, ids=ids, implementation=cfg.attention, block=cfg.attention_block,
+                               mesh=mesh)
     if kv is None:
         o = attend(q, k, v)
     else:
@@ -331,8 +337,7 @@ def _decoder_layer(p: dict[str, jax.Array], x, kv, layer, slots, *, cfg: QwenCon
     h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps).astype(dtype)
     gate, up = proj(("gate_proj", "up_proj"), h, out_shapes=((F,), (F,)))
     x = x + proj(("down_proj",), jax.nn.silu(gate) * up, out_shapes=((E,),))[0]
-    x = shd.constrain(x, residual, mesh)
-    return x, kv
+    return shd.constrain(x.astype(dtype), residual, mesh), kv
 
 
 def rms_norm(x, weight, eps: float) -> jax.Array:

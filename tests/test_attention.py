@@ -59,14 +59,25 @@ def _value_and_grads(fn, q, k, v):
     return out, jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
 
+# (implementation, tokens, block): the kernel's key blocks are whole lanes (128), so its rows are
+# longer to span several blocks; off TPU it runs in Pallas interpret mode
+BLOCKED = [("blockwise", 83, 16), ("pallas", 300, 128)]
+
+
+def _blocked(implementation: str, block: int, mesh=None):
+    return lambda q, k, v, ids: attn.attention(q, k, v, ids, implementation=implementation, block=block, mesh=mesh)
+
+
+@pytest.mark.parametrize("implementation,T,block", BLOCKED)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (7, 1, 128), (4, 2, 64)])
-def test_blockwise_equals_dense_on_packed_rows(heads, kv_heads, head_dim):
-    """83 tokens in blocks of 16 (not a multiple), segments, a tree, padding; outputs and all three
-    gradients within 1e-5."""
-    ids = _batch(heads)
-    q, k, v = _qkv(heads, 2, 83, 83, heads, kv_heads, head_dim)
+def test_blocked_implementations_equal_dense_on_packed_rows(heads, kv_heads, head_dim, implementation, T, block):
+    """T not a multiple of the block, segments, a tree, padding; outputs and all three gradients
+    within 1e-5."""
+    ids = _batch(heads, T=T)
+    q, k, v = _qkv(heads, 2, T, T, heads, kv_heads, head_dim)
+    fn = _blocked(implementation, block)
     want, want_g = _value_and_grads(lambda q, k, v: attn.dense(q, k, v, ids), q, k, v)
-    got, got_g = _value_and_grads(lambda q, k, v: attn.blockwise(q, k, v, ids, block=16), q, k, v)
+    got, got_g = _value_and_grads(lambda q, k, v: fn(q, k, v, ids), q, k, v)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
     for g, w in zip(got_g, want_g):
         assert np.abs(w).max() > 0.1
@@ -92,21 +103,24 @@ def test_the_tree_mask_is_the_trunk_prefix_rule():
     np.testing.assert_array_equal(mask, want)
 
 
-def test_blockwise_equals_dense_over_a_kv_cache():
-    """The sampler's prefill: 37 queries per row at different cache offsets over 100 slots."""
-    positions = jnp.asarray([np.arange(37), 50 + np.arange(37)], jnp.int32)
-    ids = attn.cache_ids(positions, 100)
-    q, k, v = _qkv(1, 2, 37, 100, 4, 2, 64)
+@pytest.mark.parametrize("implementation,block", [("blockwise", 16), ("pallas", 128)])
+def test_blocked_implementations_equal_dense_over_a_kv_cache(implementation, block):
+    """The sampler's prefill: 37 queries per row at different cache offsets over 300 slots."""
+    positions = jnp.asarray([np.arange(37), 250 + np.arange(37)], jnp.int32)
+    ids = attn.cache_ids(positions, 300)
+    q, k, v = _qkv(1, 2, 37, 300, 4, 2, 64)
     want = attn.dense(q, k, v, ids)
-    np.testing.assert_allclose(attn.blockwise(q, k, v, ids, block=16), want, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(_blocked(implementation, block)(q, k, v, ids), want, atol=1e-5, rtol=0)
 
 
-def test_a_query_that_sees_nothing_gives_zero_and_finite_gradients():
+@pytest.mark.parametrize("implementation,block", [("blockwise", 8), ("pallas", 128)])
+def test_a_query_that_sees_nothing_gives_zero_and_finite_gradients(implementation, block):
     seg = jnp.asarray([[1, 1, 2, 2]])
     ids = attn.packed_ids(seg, jnp.asarray([[0, 1, 0, 1]]))
     ids = ids.replace(q_segment=ids.q_segment.at[0, 3].set(7))  # query 3's segment has no keys
     q, k, v = _qkv(2, 1, 4, 4, 2, 1, 64)
-    out, grads = _value_and_grads(lambda q, k, v: attn.blockwise(q, k, v, ids, block=8), q, k, v)
+    fn = _blocked(implementation, block)
+    out, grads = _value_and_grads(lambda q, k, v: fn(q, k, v, ids), q, k, v)
     np.testing.assert_array_equal(out[0, 3], 0.0)
     assert all(np.isfinite(g).all() for g in grads)
 
@@ -121,17 +135,21 @@ def test_bf16_blockwise_is_as_close_to_float32_as_dense():
     assert 0 < err_block <= 1.5 * err_dense + 1e-3, (err_block, err_dense)
 
 
-def test_sharded_over_eight_devices_equals_one():
-    """Batch over fsdp, heads over tp (the model's constraints), blockwise under `jax.set_mesh`."""
+@pytest.mark.parametrize("implementation,T,block", BLOCKED)
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_sharded_over_eight_devices_equals_one(implementation, T, block, kv_heads):
+    """Batch over fsdp, heads over tp (the model's constraints); the kernel runs in `shard_map`,
+    by KV head where tp divides them (4), else by query group (2 KV heads, tp 4)."""
     mesh = models.make_mesh((1, 2, 4))
-    ids = _batch(3)
-    q, k, v = _qkv(3, 2, 83, 83, 8, 4, 64)
-    want, want_g = _value_and_grads(lambda q, k, v: attn.blockwise(q, k, v, ids, block=16), q, k, v)
+    ids = _batch(3, T=T)
+    q, k, v = _qkv(3, 2, T, T, 8, kv_heads, 64)
+    want, want_g = _value_and_grads(lambda q, k, v: _blocked(implementation, block)(q, k, v, ids), q, k, v)
     put = [jax.device_put(x, shd.named_sharding(("batch", "seq", "q_heads", "head_dim"), x.shape, mesh))
            for x in (q, k, v)]
-    assert len(put[0].sharding.device_set) == 8 and put[0].addressable_shards[0].data.shape == (1, 83, 2, 64)
+    assert len(put[0].sharding.device_set) == 8 and put[0].addressable_shards[0].data.shape == (1, T, 2, 64)
+    fn = _blocked(implementation, block, mesh)
     with jax.set_mesh(mesh):
-        got, got_g = _value_and_grads(lambda q, k, v: attn.blockwise(q, k, v, ids, block=16), *put)
+        got, got_g = _value_and_grads(lambda q, k, v: fn(q, k, v, ids), *put)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
     for g, w in zip(got_g, want_g):
         np.testing.assert_allclose(g, w, atol=1e-5, rtol=0)
@@ -170,10 +188,11 @@ def tiny_dir(tmp_path_factory):
     return directory, torch_model
 
 
-def test_model_with_blockwise_matches_transformers_and_dense(tiny_dir):
+@pytest.mark.parametrize("implementation,block", [("blockwise", 8), ("pallas", 128)])
+def test_model_with_a_blocked_implementation_matches_transformers_and_dense(tiny_dir, implementation, block):
     directory, torch_model = tiny_dir
     dense, cfg = models.load_hf_model(directory, attention="dense")
-    block, _ = models.load_hf_model(directory, attention="blockwise", attention_block=8)
+    block, _ = models.load_hf_model(directory, attention=implementation, attention_block=block)
     tokens = np.random.RandomState(0).randint(0, cfg.vocab_size, (2, 29))
     mask = np.ones((2, 29), np.int32)
     mask[1, 20:] = 0
@@ -212,3 +231,64 @@ def test_prefill_through_blockwise_then_dense_decode(tiny_dir):
 def test_unknown_implementation_is_a_config_error():
     with pytest.raises(models.ConfigError, match="attention must be one of"):
         presets.preset_config("Qwen3-8B", attention="flash")
+
+
+def test_auto_takes_the_kernel_on_tpu_only_and_dense_for_one_block():
+    assert attn.choose("auto", 4096, 4096, 128, 512, True, "tpu") == "pallas"
+    assert attn.choose("auto", 4096, 4096, 128, 512, True, "gpu") == "blockwise"
+    assert attn.choose("auto", 4096, 4096, 128, 512, True, "cpu") == "blockwise"
+    assert attn.choose("auto", 1, 4096, 128, 512, False, "tpu") == "dense"
+    assert attn.choose("auto", 300, 300, 128, 512, True, "tpu") == "dense"
+    assert attn.choose("auto", 4096, 4096, 96, 512, True, "tpu") == "blockwise"  # head_dim not a lane divisor
+    assert attn.choose("pallas", 4096, 4096, 128, 200, True, "tpu") == "blockwise"  # blocks not whole lanes
+    assert attn.choose("pallas", 4096, 4096, 128, 512, True, "cpu") == "pallas"  # interpret mode
+
+
+def test_the_kernel_compiles_for_a_tpu_and_its_cost_is_counted():
+    """Compiled ahead of time by the TPU compiler (no TPU here) under a v5p-8 mesh: the forward is one
+    Mosaic custom call per device, the compiler counts the kernel's FLOPs (its cost estimate), and
+    its working set stays per block."""
+    from cope_jax.plan import targets
+
+    devices = targets.devices(targets.get_target("v5p-8"))
+    mesh = models.make_mesh((1, 2, 2), devices=devices)
+    B, T, H, K, D = 4, 4096, 4, 2, 128
+    qkv = [jax.ShapeDtypeStruct((B, T, n, D), jnp.bfloat16, sharding=shd.named_sharding(
+        ("batch", "seq", "q_heads", "head_dim"), (B, T, n, D), mesh)) for n in (H, K, K)]
+    ids = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=shd.named_sharding(("batch", None), (B, T), mesh))
+
+    def forward(q, k, v, seg, pos, br):
+        return attn.attention(q, k, v, attn.packed_ids(seg, pos, br), implementation="auto", block=512, mesh=mesh)
+
+    lowered = jax.jit(forward).lower(*qkv, ids, ids, ids)
+    assert "tpu_custom_call" in lowered.as_text()
+    compiled = lowered.compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    pairs = 8 * 9 // 2  # 4,096 tokens in blocks of 512: the pairs on and below the diagonal
+    per_device = (B // 2) * (H // 2) * pairs * 512 * 512 * D * 4  # q.k and p.v of every pair
+    assert per_device <= cost["flops"] < 1.1 * per_device
+    assert compiled.memory_analysis().temp_size_in_bytes < 64 * 2 ** 20
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(forward(*a).astype(jnp.float32)), argnums=(0, 1, 2)))
+    grads.lower(*qkv, ids, ids, ids).compile()
+
+
+def test_the_attention_bench_puts_blockwise_next_to_dense():
+    """`launch.bench --suite=attention` at one short row: a line per implementation run on this
+    backend (no kernel off TPU) and a ratio line read from the compiler's memory."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-m", "launch.bench", "--suite=attention", "--attention_tokens=1024",
+                          "--attention_repeats=1"], cwd=root, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+    runs = {x["implementation"]: x for x in lines if "kind" not in x}
+    assert set(runs) == {"dense", "blockwise"} and all(x["seconds"] > 0 for x in runs.values())
+    (ratio,) = [x for x in lines if x.get("kind") == "ratio"]
+    assert ratio["implementation"] == "blockwise"
+    assert ratio["temp_ratio"] == pytest.approx(runs["blockwise"]["temp_gb"] / runs["dense"]["temp_gb"], abs=1e-3)
+    assert ratio["temp_ratio"] < 0.5

@@ -116,7 +116,10 @@ def _trainer_programs(c, model_cfg, layout: Layout, graphdef, state, spec) -> li
     ways = _row_ways(rows, mesh) * _tp(mesh)
     loss = run_config.loss_config(c)
     chunks = -(-T // chunk_positions(rows, T, loss.logits_chunk_tokens))
-    loops = {"layers": Loop(model_cfg.num_layers), "chunks": Loop(chunks), **_attention_loop(model_cfg, T, T, True)}
+    platform = _platform(mesh)
+    loops = {"layers": Loop(model_cfg.num_layers), "chunks": Loop(chunks)}
+    train_loops = {**loops, **_attention_loop(model_cfg, T, T, True, platform, backward=True)}
+    loops.update(_attention_loop(model_cfg, T, T, True, platform))
     shape = f"{rows} x {T}"
 
     def step(loss_cfg, with_entropy):
@@ -127,18 +130,18 @@ def _trainer_programs(c, model_cfg, layout: Layout, graphdef, state, spec) -> li
     logprobs = ts.logprobs_program(model_def, loss, mesh)
     with_entropy = "entropy" in spec.terms and c.train.entropy_coef != 0
     out = [
-        Program("train_step", step(loss, with_entropy), shape, rows * T, loops, layout.params_bytes,
+        Program("train_step", step(loss, with_entropy), shape, rows * T, train_loops, layout.params_bytes,
                 layout.optimizer_bytes, layout.reference_bytes + layout.replica_bytes,
-                _train_flops(model_cfg, T) * rows * T / ways),
+                _train_flops(model_cfg, T, platform) * rows * T / ways),
         Program("logprobs", lambda: logprobs.lower(params, batch), shape, rows * T, loops, layout.params_bytes, 0,
                 layout.optimizer_bytes + layout.reference_bytes + layout.replica_bytes,
-                _forward_flops(model_cfg, T, T, packed=True, logits=True) * rows * T / ways),
+                _forward_flops(model_cfg, T, T, platform, packed=True, logits=True) * rows * T / ways),
     ]
     if c.warmstart.steps > 0:
         ws_loss, _ = run_config.warmstart_configs(c)
-        out.append(Program("warmstart_step", step(ws_loss, False), shape, rows * T, loops, layout.params_bytes,
+        out.append(Program("warmstart_step", step(ws_loss, False), shape, rows * T, train_loops, layout.params_bytes,
                            layout.optimizer_bytes, layout.replica_bytes,
-                           _train_flops(model_cfg, T) * rows * T / ways))
+                           _train_flops(model_cfg, T, platform) * rows * T / ways))
     return out
 
 
@@ -179,13 +182,15 @@ def _sampler_programs(c, model_cfg, layout: Layout, replica) -> list[Program]:
 
     cache = sampler.abstract_state().cache
     cache_bytes = per_chip_bytes((cache.k, cache.v))
-    decode_flops = _forward_flops(model_cfg, 1, W, packed=False, logits=True) * B / ways
+    platform = _platform(mesh)
+    decode_flops = _forward_flops(model_cfg, 1, W, platform, packed=False, logits=True) * B / ways
     layers = {"layers": Loop(model_cfg.num_layers)}
     return [
         Program("prefill", lower("prefill"), f"{B} x {chunk} into {W}", B * chunk,
-                {**layers, **_attention_loop(model_cfg, chunk, W, False)}, param_bytes, 0, resident,
-                _forward_flops(model_cfg, chunk, W, packed=False, logits=False) * B * chunk / ways),
-        Program("decode", lower("decode"), f"{B} rows, window {W}", B, {**layers, **_attention_loop(model_cfg, 1, W, False)},
+                {**layers, **_attention_loop(model_cfg, chunk, W, False, platform)}, param_bytes, 0, resident,
+                _forward_flops(model_cfg, chunk, W, platform, packed=False, logits=False) * B * chunk / ways),
+        Program("decode", lower("decode"), f"{B} rows, window {W}", B,
+                {**layers, **_attention_loop(model_cfg, 1, W, False, platform)},
                 param_bytes, 0, resident, decode_flops, analytic_bytes=param_bytes + cache_bytes),
     ]
 
@@ -202,37 +207,49 @@ def _attention_flops(cfg: QwenConfig, keys: float) -> float:
     return 4 * cfg.num_layers * keys * cfg.num_heads * cfg.head_dim
 
 
-def _forward_flops(cfg: QwenConfig, T: int, S: int, *, packed: bool, logits: bool) -> float:
+def _forward_flops(cfg: QwenConfig, T: int, S: int, platform: str, *, packed: bool, logits: bool) -> float:
     """One token's forward, one of T queries over S keys, with or without the head."""
     head = 2 * cfg.hidden_size * cfg.vocab_size if logits else 0
-    return 2 * layer_matmul_params(cfg) + _attention_flops(cfg, _keys_computed(cfg, T, S, packed)) + head
+    return 2 * layer_matmul_params(cfg) + _attention_flops(cfg, _keys_computed(cfg, T, S, packed, platform)) + head
 
 
-def _train_flops(cfg: QwenConfig, T: int) -> float:
+def _train_flops(cfg: QwenConfig, T: int, platform: str) -> float:
     """6 N per token for the layers (+2 N recomputed under full remat); attention forward, recomputed
     under any remat (its dots have batch dimensions), and backward (twice the forward for dense;
     blockwise recomputes each block's scores: 2.5 times); and the chunked head: forward, recomputed
     logits, and the two gradient products."""
     matmul = (6 + (2 if cfg.remat == "full" else 0)) * layer_matmul_params(cfg)
-    backward = 2.5 if attn.choose(cfg.attention, T, T, cfg.attention_block) == "blockwise" else 2
+    backward = 2 if _chosen(cfg, T, T, True, platform) == "dense" else 2.5
     passes = 1 + (1 if cfg.remat != "none" else 0) + backward
-    attention = passes * _attention_flops(cfg, _keys_computed(cfg, T, T, True))
+    attention = passes * _attention_flops(cfg, _keys_computed(cfg, T, T, True, platform))
     return matmul + attention + 4 * 2 * cfg.hidden_size * cfg.vocab_size
 
 
-def _keys_computed(cfg: QwenConfig, T: int, S: int, packed: bool) -> float:
+def _chosen(cfg: QwenConfig, T: int, S: int, packed: bool, platform: str) -> str:
+    return attn.choose(cfg.attention, T, S, cfg.head_dim, cfg.attention_block, packed, platform)
+
+
+def _platform(mesh) -> str:
+    return mesh.devices.flat[0].platform
+
+
+def _keys_computed(cfg: QwenConfig, T: int, S: int, packed: bool, platform: str) -> float:
     """Keys each query's scores are computed for: all S (dense), or those of the blocks visited."""
-    if attn.choose(cfg.attention, T, S, cfg.attention_block) == "dense":
+    chosen = _chosen(cfg, T, S, packed, platform)
+    if chosen == "dense":
         return S
-    blocks = attn.block_layout(T, S, cfg.attention_block, packed)
+    blocks = attn.block_layout(T, S, cfg.attention_block, packed, kernel=chosen == "pallas")
     return len(blocks.pairs) * blocks.bq * blocks.bk / T
 
 
-def _attention_loop(cfg: QwenConfig, T: int, S: int, packed: bool) -> dict[str, Loop]:
-    """The blockwise pair loop of T queries over S keys, inside every decoder layer; none for dense."""
-    if attn.choose(cfg.attention, T, S, cfg.attention_block) == "dense":
+def _attention_loop(cfg: QwenConfig, T: int, S: int, packed: bool, platform: str,
+                    backward: bool = False) -> dict[str, Loop]:
+    """The blockwise pair loop of T queries over S keys, inside every decoder layer: none for dense,
+    and under `pallas` only the backward's (the forward is the kernel)."""
+    chosen = _chosen(cfg, T, S, packed, platform)
+    if chosen == "dense" or (chosen == "pallas" and not backward):
         return {}
-    pairs = len(attn.block_layout(T, S, cfg.attention_block, packed).pairs)
+    pairs = len(attn.block_layout(T, S, cfg.attention_block, packed, kernel=chosen == "pallas").pairs)
     return {"attention": Loop(pairs, cfg.num_layers if cfg.scan_layers else 1)}
 
 

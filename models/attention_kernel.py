@@ -1,0 +1,133 @@
+"""The blockwise forward as a Pallas TPU kernel: one (query block, key block) pair per grid step.
+
+`models/attention.py` owns the algorithm and the backward; this module only runs its forward
+(`_flash_forward`'s online softmax) in one kernel instead of an XLA loop, so the scores of a pair
+live in VMEM and never reach HBM. The mask is evaluated per block from the same ids (`MaskIds`), so
+the forecasting branches (data-dependent masks no shipped kernel takes) run here too.
+
+Layouts follow the TPU's (8, 128) tiles: queries [B, H, Tp, D] in blocks [bq, D]; keys / values
+[B, K, Sp, D] in blocks [bk, D] (query head h reads KV head h // G); query ids broadcast over 128
+lanes [4, B, Tp, 128], key ids over 8 sublanes [4, B, 8, Sp]; running max / sum kept lane-broadcast
+in scratch [bq, 128]. The grid is (B, H, query blocks, key blocks), the last axis sequential. For
+packed rows the pairs above the diagonal are skipped and their key blocks not even fetched (the index
+map repeats the diagonal block, which is already resident).
+
+Off TPU the kernel runs in Pallas interpret mode: exact and slow, for the tests.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+LANES, SUBLANES = 128, 8
+NEG_INF = -1e30  # as models.attention: finite, so fully masked rows stay NaN-free
+
+
+def supports(bq: int, bk: int, head_dim: int) -> bool:
+    """Whether the kernel takes these blocks: whole (8, 128) tiles."""
+    return bq % SUBLANES == 0 and bk % LANES == 0 and (head_dim % LANES == 0 or LANES % head_dim == 0)
+
+
+def forward(bq: int, bk: int, packed: bool, q, k, v, queries, keys, *, interpret: bool):
+    """q [B, Tp, K, G, D], k/v [B, Sp, K, D], ids as `models.attention` pads them (Tp, Sp whole
+    blocks) -> (out like q, log-sum-exp [B, Tp, K, G] float32; +inf where a query sees no key)."""
+    B, Tp, K, G, D = q.shape
+    Sp, H = k.shape[1], K * G
+    nq, nk = Tp // bq, Sp // bk
+    qh = q.reshape(B, Tp, H, D).transpose(0, 2, 1, 3)
+    kh, vh = (a.transpose(0, 2, 1, 3) for a in (k, v))
+    q_ids = jnp.broadcast_to(jnp.stack(queries)[:, :, None, :], (4, B, SUBLANES, Tp))
+    k_ids = jnp.broadcast_to(jnp.stack(keys)[:, :, None, :], (4, B, SUBLANES, Sp))
+
+    def key_block(b, h, i, j):
+        return (b, h // G, jnp.minimum(i, j) if packed else j, 0)
+
+    def key_ids_block(b, h, i, j):
+        return (0, b, 0, jnp.minimum(i, j) if packed else j)
+
+    out, lse = pl.pallas_call(
+        functools.partial(_kernel, scale=D ** -0.5, packed=packed, nk=nk),
+        grid=(B, H, nq, nk),
+        in_specs=[pl.BlockSpec((4, None, SUBLANES, bq), lambda b, h, i, j: (0, b, 0, i)),
+                  pl.BlockSpec((4, None, SUBLANES, bk), key_ids_block),
+                  pl.BlockSpec((None, None, bq, D), lambda b, h, i, j: (b, h, i, 0)),
+                  pl.BlockSpec((None, None, bk, D), key_block),
+                  pl.BlockSpec((None, None, bk, D), key_block)],
+        out_specs=[pl.BlockSpec((None, None, bq, D), lambda b, h, i, j: (b, h, i, 0)),
+                   pl.BlockSpec((None, None, 1, bq), lambda b, h, i, j: (b, h, 0, i))],
+        out_shape=[jax.ShapeDtypeStruct((B, H, Tp, D), q.dtype),
+                   jax.ShapeDtypeStruct((B, H, 1, Tp), jnp.float32)],
+        scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, LANES), jnp.float32),
+                        pltpu.VMEM((bq, D), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        interpret=interpret,
+        cost_estimate=_cost(B, H, nq, nk, bq, bk, D, packed, q.dtype.itemsize),
+    )(q_ids, k_ids, qh, kh, vh)
+    out = out.transpose(0, 2, 1, 3).reshape(B, Tp, K, G, D)
+    lse = lse[:, :, 0].transpose(0, 2, 1).reshape(B, Tp, K, G)
+    return out, lse
+
+
+def _cost(B, H, nq, nk, bq, bk, D, packed, itemsize) -> pl.CostEstimate:
+    """What the kernel computes and moves, for the compiler's cost analysis (it cannot see inside)."""
+    pairs = nq * (nq + 1) // 2 if packed else nq * nk
+    scores = B * H * pairs * bq * bk
+    fetched = B * H * (nq * bq * D + 2 * (pairs if packed else nq * nk) * bk * D)  # q once, k/v per pair
+    return pl.CostEstimate(flops=4 * scores * D, transcendentals=scores,
+                           bytes_accessed=(fetched + B * H * nq * bq * D) * itemsize)
+
+
+def _kernel(q_ids, k_ids, q_ref, k_ref, v_ref, out_ref, lse_ref, m_ref, l_ref, acc_ref, *, scale, packed, nk):
+    i, j = pl.program_id(2), pl.program_id(3)
+    bq, bk = q_ref.shape[0], k_ref.shape[0]
+
+    @pl.when(j == 0)
+    def _start():
+        m_ref[...] = jnp.full(m_ref.shape, NEG_INF, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when(j <= i if packed else True)
+    def _pair():
+        s = jax.lax.dot_general(q_ref[...], k_ref[...], (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32) * scale  # [bq, bk]
+        mask = _mask(q_ids, k_ids, bk)
+        s = jnp.where(mask, s, NEG_INF)
+        m_old, l_old = m_ref[...], l_ref[...]  # [bq, 128], every lane equal
+        m_new = jnp.maximum(m_old, jnp.max(s, axis=1, keepdims=True))
+        p = jnp.where(mask, jnp.exp(s - _lanes(m_new, bk)), 0.0)
+        correction = jnp.exp(m_old - m_new)
+        m_ref[...] = m_new
+        l_ref[...] = l_old * correction + jnp.sum(p, axis=1, keepdims=True)
+        pv = jax.lax.dot_general(p.astype(v_ref.dtype), v_ref[...], (((1,), (0,)), ((), ())),
+                                 preferred_element_type=jnp.float32)  # [bq, D]
+        acc_ref[...] = acc_ref[...] * _lanes(correction, pv.shape[1]) + pv
+
+    @pl.when(j == nk - 1)
+    def _finish():
+        l = l_ref[...]
+        seen = l > 0
+        out_ref[...] = (acc_ref[...] / _lanes(jnp.where(seen, l, 1.0), acc_ref.shape[1])).astype(out_ref.dtype)
+        lse = jnp.where(seen, m_ref[...] + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)  # [bq, 128]
+        lse_ref[...] = jnp.transpose(lse)[:1]  # a row [1, bq]: tokens on lanes, 1/16 of the HBM
+
+
+def _mask(q_ids, k_ids, bk: int) -> jax.Array:
+    """bool [bq, bk]: `models.attention.allowed` on this pair's ids."""
+    qs, qi, qb, qf = (jnp.transpose(q_ids[c])[:, :1] for c in range(4))  # [bq, 1]
+    ks, ki, kb, kp = (k_ids[c, :1, :] for c in range(4))  # [1, bk]
+    return (qs == ks) & (qi >= ki) & ((qb == kb) | ((kb == 0) & (kp < qf)))
+
+
+def _lanes(x, width: int) -> jax.Array:
+    """[rows, 128] with every lane equal -> [rows, width]."""
+    if width == LANES:
+        return x
+    if width < LANES:
+        return x[:, :width]
+    return jnp.tile(x, (1, width // LANES))
