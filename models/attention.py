@@ -8,11 +8,11 @@ Which key a query may see is computed from per-token ids (`MaskIds`), never pass
   recomputes each block's probabilities, so memory grows with T·block, not T·S. In packed rows
   keys come after queries in the same order, so pairs above the diagonal are never visited (half
   the FLOPs of dense at long T). Any backend: it is plain XLA (matmuls per block).
-- `pallas`: blockwise with its forward as one Pallas TPU kernel (`models/attention_kernel.py`):
-  each pair's scores stay in VMEM. Same backward as blockwise. Off TPU it runs in Pallas interpret
-  mode (exact, slow: for tests).
-- `auto`: dense where one block holds every score (short rows, a decode step); otherwise pallas on a
-  TPU where the blocks are whole (8, 128) tiles, blockwise elsewhere (GPU, CPU). Logged once per shape.
+- `pallas`: blockwise with its forward as one Pallas kernel, `models/attention_tpu.py` (Mosaic) on
+  TPU, `models/attention_gpu.py` (Triton) on GPU: a pair's scores never reach HBM. Same backward as
+  blockwise. On CPU the TPU kernel runs in Pallas interpret mode (exact, slow: for tests).
+- `auto`: dense where one block holds every score (short rows, a decode step); otherwise pallas on TPU
+  and GPU where the kernel takes the blocks, blockwise elsewhere. Logged once per shape.
 
 The pair loop is a `models.loops.fori` of kind "attention" (a while loop: see there), so
 `launch.plan` counts its cost.
@@ -29,10 +29,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from models import attention_kernel, loops
+from models import attention_gpu, attention_tpu, loops
 from models import sharding as shd
 
 IMPLEMENTATIONS = ("auto", "dense", "blockwise", "pallas")
+KERNELS = {"tpu": attention_tpu, "gpu": attention_gpu}  # platform -> its Pallas forward kernel
 NEG_INF = -1e30  # finite, so fully masked rows stay NaN-free
 _PAD_Q, _PAD_K = -1, -2  # segment ids of the block padding: they match nothing
 
@@ -124,16 +125,18 @@ def attention(q, k, v, ids: MaskIds, *, implementation: str = "auto", block: int
     chosen = choose(implementation, q.shape[1], k.shape[1], q.shape[-1], block, ids.packed, platform)
     if chosen == "dense":
         return dense(q, k, v, ids)
-    kernel = None if chosen == "blockwise" else Kernel("tpu" if platform == "tpu" else "interpret", mesh)
+    kernel = None if chosen == "blockwise" else Kernel(platform if platform in KERNELS else "tpu",
+                                                       platform not in KERNELS, mesh)
     return blockwise(q, k, v, ids, block=block, kernel=kernel)
 
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-    """How the `pallas` forward runs: compiled for a TPU or in interpret mode, under which mesh
-    (the kernel is one custom call per device, so it runs inside `shard_map`)."""
+    """How the `pallas` forward runs: which platform's kernel, compiled or in interpret mode, under
+    which mesh (a kernel is one custom call per device, so it runs inside `shard_map`)."""
 
-    mode: str  # "tpu" | "interpret"
+    platform: str  # a key of KERNELS
+    interpret: bool = False
     mesh: Mesh | None = None
 
 
@@ -147,8 +150,8 @@ def choose(implementation: str, T: int, S: int, head_dim: int, block: int, packe
     if implementation == "auto" and (T == 1 or (T <= block and S <= block)):
         return "dense"
     blocks = block_layout(T, S, block, packed, kernel=True)
-    kernel = attention_kernel.supports(blocks.bq, blocks.bk, head_dim) and (
-        implementation == "pallas" or platform == "tpu")
+    kernel = KERNELS.get(platform, attention_tpu).supports(blocks.bq, blocks.bk, head_dim) and (
+        implementation == "pallas" or platform in KERNELS)
     chosen = "pallas" if kernel else "blockwise"
     _log_once(implementation, chosen, T, S, head_dim, block)
     return chosen
@@ -157,7 +160,7 @@ def choose(implementation: str, T: int, S: int, head_dim: int, block: int, packe
 @functools.cache
 def _log_once(implementation: str, chosen: str, T: int, S: int, head_dim: int, block: int) -> None:
     why = "" if chosen != "blockwise" or implementation == "auto" else (
-        f": the kernel takes whole (8, 128) tiles, not blocks of {block} over head_dim {head_dim}")
+        f": the kernel does not take blocks of {block} over head_dim {head_dim}")
     logging.info("attention: %s (%s, %d queries x %d keys)%s", chosen, implementation, T, S, why)
 
 
@@ -191,9 +194,10 @@ class Blocks:
 
 def block_layout(T: int, S: int, block: int, packed: bool, kernel: bool = False) -> Blocks:
     """The blocks of T queries over S keys. Packed rows use one size for both, so the diagonal
-    blocks line up, and skip the pairs above the diagonal. The kernel's key blocks are whole lanes
-    (multiples of 128)."""
-    bq, bk = min(block, _round_up(T, 8)), min(block, _round_up(S, 128 if kernel else 8))
+    blocks line up, and skip the pairs above the diagonal. A kernel's blocks are multiples of 128
+    (TPU lanes; whole GPU tiles)."""
+    multiple = 128 if kernel else 8
+    bq, bk = min(block, _round_up(T, multiple)), min(block, _round_up(S, multiple))
     if packed:
         bq = bk = max(bq, bk)
     nq, nk = -(-T // bq), -(-S // bk)
@@ -224,8 +228,8 @@ def _forward(blocks: Blocks, kernel: Kernel | None, packed: bool, q, k, v, queri
     """-> (out, log-sum-exp): the Pallas kernel or the XLA loop; both compute `_flash_forward`."""
     if kernel is None:
         return _flash_forward(blocks, q, k, v, queries, keys)
-    forward = functools.partial(attention_kernel.forward, blocks.bq, blocks.bk, packed,
-                                interpret=kernel.mode == "interpret")
+    forward = functools.partial(KERNELS[kernel.platform].forward, blocks.bq, blocks.bk, packed,
+                                interpret=kernel.interpret)
     mesh = kernel.mesh
     if mesh is None or mesh.size == 1:
         return forward(q, k, v, queries, keys)
