@@ -54,6 +54,9 @@ def base_config(method: str = "cope") -> ml_collections.ConfigDict:
         sync=False,  # lockstep rounds: bit-reproducible rollouts, no env/decode overlap
         stream_every=16,  # decode steps between hand-offs of finished turns to their environments
         prefetch_resets=True,  # reset the next step's environments during this step's rollout and update
+        # episodes ended by environment faults (crash, hang, exception) leave the batch; a step or an
+        # evaluation where more than this fraction of its episodes faulted stops the run instead
+        max_fault_fraction=0.25,
     ))
     c.train = ml_collections.ConfigDict(dict(
         steps=100, learning_rate=1e-6, weight_decay=0.01, clip_norm=1.0, b1=0.9, b2=0.999,

@@ -279,7 +279,7 @@ class RolloutRunner:
         """Records a reset/step result; returns 1 if the episode ended."""
         if not r.ok:
             ep.finish_reason = f"env_{r.error}"
-            ep.env_info = {"error": r.error, "reason": r.reason}
+            ep.env_info = {"error": r.error, "reason": r.reason, "worker_pid": r.worker_pid}
             ep.score, ep.success = float(r.score), False
             return self._end(ep, state)
         ep.observations.append(r.observation)

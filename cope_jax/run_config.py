@@ -6,6 +6,7 @@ programs the planner compiles are built from exactly the settings the trainer wo
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import ml_collections
 
@@ -73,6 +74,38 @@ def sampler_rows(c: ml_collections.ConfigDict, hosts: int) -> int:
     if rows < 0:
         raise ConfigError(f"rollout.sampler_rows={rows}: expected a positive number, or 0 for each host's share")
     return rows or -(-int(c.rollout.tasks_per_step) * int(c.rollout.group_size) // hosts)
+
+
+# the project's own checkout: a run written here would mix its files into the source tree
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def check_workdir(workdir: str | None) -> str:
+    """The absolute run directory; refuses an empty one (it would be the current directory) and the
+    repository's root."""
+    if not workdir or not str(workdir).strip():
+        raise ConfigError("--workdir is empty: name a run directory (it is created)")
+    path = os.path.abspath(workdir)
+    if path == REPO_ROOT:
+        raise ConfigError(f"--workdir={workdir} is the repository's root: name a run directory of its own")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"--workdir={workdir} exists and is not a directory")
+    return path
+
+
+def check_lengths(c: ml_collections.ConfigDict) -> None:
+    """A packed row must hold a whole episode: a shorter `train.row_len` would cut every long one."""
+    if int(c.train.row_len) < int(c.rollout.max_len):
+        raise ConfigError(f"train.row_len={c.train.row_len} is shorter than rollout.max_len={c.rollout.max_len}: "
+                          "episodes up to max_len tokens would be cut to fit a row; set row_len >= max_len")
+
+
+def max_fault_fraction(c: ml_collections.ConfigDict) -> float:
+    """`rollout.max_fault_fraction`, checked: a fraction of a batch's episodes (cope_jax/faults.py)."""
+    value = float(c.rollout.max_fault_fraction)
+    if not 0 <= value <= 1:
+        raise ConfigError(f"rollout.max_fault_fraction={value:g}: expected a fraction in [0, 1]")
+    return value
 
 
 def batch_width(mesh) -> int:

@@ -29,8 +29,10 @@ import numpy as np
 from flax import nnx
 
 import models
-from models import orbax_io
+from models import model_dir, orbax_io
+from models.config import ConfigError
 from cope_jax import distributed, run_config
+from cope_jax import faults as faults_lib
 from cope_jax import metrics as metrics_lib
 from cope_jax.batching import build_minibatches
 from cope_jax.chat import ChatFormat
@@ -56,19 +58,23 @@ class Trainer:
     """Owns the policy, sampler, environment pool, learner and logs of one run in `workdir`."""
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str):
-        if config.warmstart.lr_schedule not in WARMSTART_SCHEDULES:
-            raise ValueError(f"warmstart.lr_schedule={config.warmstart.lr_schedule!r}: expected one of "
-                             f"{WARMSTART_SCHEDULES}")
-        self.config, self.workdir = config, os.path.abspath(workdir)
-        os.makedirs(self.workdir, exist_ok=True)
+        # everything that can refuse the run is checked before anything is written to the workdir, so
+        # a failed start leaves it as it was (reusable with the corrected flags)
+        self.config, self.workdir = config, run_config.check_workdir(workdir)
         self.is_main = jax.process_index() == 0
-        self._check_config_file()
+        saved_config = self._saved_config()
         c = config
+        if c.warmstart.lr_schedule not in WARMSTART_SCHEDULES:
+            raise ConfigError(f"warmstart.lr_schedule={c.warmstart.lr_schedule!r}: expected one of "
+                              f"{WARMSTART_SCHEDULES}")
         horizon = None if c.train.horizon < 0 else int(c.train.horizon)
         self.spec = get_method(c.method, horizon=horizon)
         self.loss_cfg = run_config.loss_config(c)
         self.opt_cfg = run_config.optimizer_config(c)
+        self.max_fault_fraction = run_config.max_fault_fraction(c)
+        run_config.check_lengths(c)
         self.family = make_family(c.env.family)
+        self._check_model_path()
         self.tokenizer = self._tokenizer()
         self.chat = ChatFormat(self.tokenizer, c.chat_style)
         self.mesh = distributed.run_mesh(tuple(c.mesh))
@@ -82,6 +88,10 @@ class Trainer:
         # fewer environment slots than sampler rows would leave rows idle: only that many live episodes
         envs = c.env.envs_per_worker or -(-rows // c.env.workers)
         self.pool = EnvPool({c.env.family: c.env.workers}, envs_per_worker=envs, call_timeout=timeout)
+        if saved_config is None and self.is_main:
+            os.makedirs(self.workdir, exist_ok=True)
+            with open(os.path.join(self.workdir, "config.json"), "w") as f:
+                json.dump(json.loads(c.to_json()), f, indent=2, sort_keys=True)
         self.log = metrics_lib.MetricsLog(self.workdir, enabled=self.is_main)
         self.forecast_cfg = None
         if self.spec.forecast is not None:
@@ -96,20 +106,29 @@ class Trainer:
             invalid_message=self.family.invalid_action_message)
 
     # -- setup ------------------------------------------------------------------------------------
-    def _check_config_file(self) -> None:
-        """A workdir belongs to one config: resuming with a different one is refused."""
+    def _saved_config(self) -> dict | None:
+        """The workdir's config.json, if any. A workdir belongs to one config: resuming with a different
+        one is refused. (It is written once the run has started: `__init__`.)"""
         path = os.path.join(self.workdir, "config.json")
+        if not os.path.isfile(path):
+            return None
         current = json.loads(self.config.to_json())
-        if os.path.isfile(path):
-            with open(path) as f:
-                saved = json.load(f)
-            if saved != current:
-                diff = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
-                raise ValueError(f"{self.workdir} holds a run with a different config (sections {diff}); "
-                                 "use a new --workdir or the same config")
-        elif self.is_main:
-            with open(path, "w") as f:
-                json.dump(current, f, indent=2, sort_keys=True)
+        with open(path) as f:
+            saved = json.load(f)
+        if saved != current:
+            diff = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+            raise ConfigError(f"{self.workdir} holds a run with a different config (sections {diff}); "
+                              "use a new --workdir or the same config")
+        return saved
+
+    def _check_model_path(self) -> None:
+        """A model path that cannot load fails now, not after the tokenizer is trained into the workdir."""
+        m = self.config.model
+        if m.init == "random":
+            return
+        if not m.path:
+            raise ConfigError("config.model.path is empty: give an HF or Orbax directory (or model.init='random')")
+        model_dir.kind(m.path)
 
     def _tokenizer(self):
         spec = self.config.tokenizer
@@ -124,7 +143,9 @@ class Trainer:
         if self.is_main:
             if not os.path.isfile(path):
                 vocab = int(spec.split(":")[1])
-                train_sentencepiece(_corpus(self.family, self.config), vocab_size=vocab).save(path)
+                trained = train_sentencepiece(_corpus(self.family, self.config), vocab_size=vocab)
+                os.makedirs(self.workdir, exist_ok=True)
+                trained.save(path)
             with open(path, "rb") as f:
                 proto = f.read()
         return SentencePieceTokenizer(distributed.broadcast_object(proto), name=TOKENIZER_FILE)
@@ -134,8 +155,6 @@ class Trainer:
         if m.init == "random":
             cfg = run_config.random_model_config(self.config, self.tokenizer.vocab_size)
             return models.create_model(cfg, seed=self.config.seed, mesh=self.mesh)
-        if not m.path:
-            raise ValueError("config.model.path is empty: give an HF or Orbax directory (or model.init='random')")
         model, _ = models.load_model(m.path, mesh=self.mesh, **run_config.execution(self.config))
         return model
 
@@ -230,8 +249,9 @@ class Trainer:
         plan = [(t, g) for g, t in enumerate(ids) for _ in range(samples)]
         key = jax.random.fold_in(jax.random.key(c.seed + 1), step)
         trajs, stats = self.rollout(self.runner("eval"), plan, key)
+        trajs, faults = faults_lib.drop(trajs, self.max_fault_fraction, what=f"evaluation at step {step}")
         summary = metrics_lib.summarize(trajs, overall=getattr(self.family, "overall", "count-weighted"))
-        summary.update(split=split, samples=samples, tasks=len(ids), seconds=stats.wall_s)
+        summary.update(split=split, samples=samples, tasks=len(ids), seconds=stats.wall_s, **faults.record())
         self.log.write(name, step, {k: v for k, v in summary.items() if not isinstance(v, dict)}
                        | {f"succ/{f}": v["succ"] for f, v in summary["families"].items()})
         return summary
@@ -281,6 +301,7 @@ class Trainer:
                 peeked = [int(t) for t in next(tasks_it)], tasks_it.get_state()
                 next_plan = plan_of(step + 1, peeked[0])
             trajs, rstats = self.rollout(train_runner, plan, jax.random.fold_in(base_key, step), next_plan)
+            trajs, faults = faults_lib.drop(trajs, self.max_fault_fraction, what=f"step {step + 1}")
             t1 = time.time()
             examples = build_examples(trajs, self.chat, self.forecast_cfg) if self.forecast_cfg else []
             mbs, host = build_minibatches(trajs, examples, self.spec, self.loss_cfg,
@@ -290,6 +311,7 @@ class Trainer:
             step_metrics = learner.train(_bucketed(mbs), ref_model) if mbs else []
             t2 = time.time()
             record = _step_record(trajs, step_metrics, host, examples, rstats, mbs, t1 - t0, t2 - t1)
+            record.update(faults.record())
             self.log.write("train", step + 1, record)
             bar.update(record)
             if (step + 1) % c.checkpoint.every == 0 or step + 1 == c.train.steps:
@@ -359,7 +381,7 @@ class _progress:
     """tqdm bar with the live metrics (success, reward, AF loss, KL, entropy, throughput)."""
 
     KEYS = (("succ", "succ"), ("score", "rew"), ("af_loss", "af"), ("kl", "kl"), ("entropy", "ent"),
-            ("train_tokens_per_s", "tok/s"), ("env_steps_per_s", "env/s"))
+            ("train_tokens_per_s", "tok/s"), ("env_steps_per_s", "env/s"), ("env_faults", "faults"))
 
     def __init__(self, start: int, total: int, enabled: bool):
         self.bar = None
