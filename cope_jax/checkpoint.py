@@ -54,6 +54,14 @@ class TrainCheckpointer:
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
+    @staticmethod
+    def steps_in(workdir: str) -> list[int]:
+        """The committed steps under `workdir`, read without opening a manager (which creates the
+        directory): a step is committed once Orbax renamed its temporary directory to the number."""
+        if not os.path.isdir(workdir):
+            return []
+        return sorted(int(d) for d in os.listdir(workdir) if d.isdigit() and os.path.isdir(os.path.join(workdir, d)))
+
     def step_dir(self, step: int) -> str:
         return os.path.join(self.workdir, str(step))
 

@@ -33,20 +33,32 @@ def train_run(config, workdir: str, *, progress: bool = True) -> dict[str, Any]:
 def eval_run(config, workdir: str, *, checkpoint: int | None = None, split: str | None = None,
              samples: int | None = None, tasks: int | None = None) -> dict[str, Any]:
     """Evaluates one checkpoint of a run (default: the newest; 0: the starting policy) and writes
-    eval.json, eval.md and learning_curves.png next to the run's logged evaluations."""
+    eval.json, eval.md and learning_curves.png next to the run's logged evaluations. Never trains:
+    a run without checkpoints (or, for 0, without its finished warm start) is refused."""
     from flax import nnx
 
     from cope_jax.checkpoint import TrainCheckpointer
-    from cope_jax.trainer import CHECKPOINT_DIR, Trainer
+    from cope_jax.trainer import CHECKPOINT_DIR, WARMSTART_DIR, Trainer
 
     if not os.path.isfile(os.path.join(workdir, "config.json")):
         raise FileNotFoundError(f"{workdir} is not a run directory (no config.json); run launch.train first")
+    ckpt_dir = os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
+    latest = TrainCheckpointer.steps_in(ckpt_dir)
+    step = checkpoint if checkpoint is not None else (latest[-1] if latest else None)
+    if step is None:
+        raise FileNotFoundError(f"{workdir} has no checkpoint yet; pass --checkpoint=0 to evaluate the policy "
+                                "RL starts from")
+    if step and step not in latest:
+        raise FileNotFoundError(f"{workdir} has no checkpoint {step} (it has {latest or 'none'})")
+    if not step and config.warmstart.steps > 0 and not os.path.isdir(os.path.join(workdir, WARMSTART_DIR)):
+        raise FileNotFoundError(f"{workdir} has no finished warm start ({WARMSTART_DIR}/), so no starting policy "
+                                "to evaluate; run launch.train first")
     trainer = Trainer(config, workdir)
     try:
-        trainer.warmstart()  # loads the warm-start params when the run has them
-        ckpt = TrainCheckpointer(os.path.join(trainer.workdir, CHECKPOINT_DIR))
-        step = checkpoint if checkpoint is not None else (ckpt.latest_step() or 0)
-        if step:
+        ckpt = TrainCheckpointer(ckpt_dir)
+        if not step:
+            trainer.warmstart(train=False)  # the starting policy: the warm start, when the run has one
+        else:
             _, state, _, _ = ckpt.restore(step, abstract_state={"params": nnx.state(trainer.model, nnx.Param)})
             nnx.update(trainer.model, state["params"])
         ckpt.close()

@@ -138,6 +138,10 @@ class Trainer:
             return load_tokenizer(spec)
         # a small tokenizer trained on the environment's own text (the demo's tiny model), once, by
         # process 0; every host gets its bytes
+        if not hasattr(self.family, "expert_actions"):
+            raise ConfigError(f"tokenizer={spec}: a SentencePiece tokenizer is trained on the family's expert "
+                              f"episodes, and {self.config.env.family} has no expert (the built-in house has); "
+                              "use tokenizer='qwen2.5' or 'qwen3'")
         path = os.path.join(self.workdir, TOKENIZER_FILE)
         proto = None
         if self.is_main:
@@ -190,8 +194,9 @@ class Trainer:
         return iter(ds)
 
     # -- stages -----------------------------------------------------------------------------------
-    def warmstart(self) -> dict[str, Any] | None:
-        """Supervised warm start on expert demonstrations; done once per workdir (then reloaded)."""
+    def warmstart(self, train: bool = True) -> dict[str, Any] | None:
+        """Supervised warm start on expert demonstrations; done once per workdir (then reloaded).
+        train=False only reloads it, and refuses a run whose warm start has not finished."""
         ws = self.config.warmstart
         if ws.steps <= 0:
             return None
@@ -200,6 +205,9 @@ class Trainer:
             loaded, _ = models.load_model(directory, mesh=self.mesh, **run_config.execution(self.config))
             nnx.update(self.model, nnx.state(loaded, nnx.Param))
             return None
+        if not train:
+            raise FileNotFoundError(f"{self.workdir} has no finished warm start ({WARMSTART_DIR}/), so no starting "
+                                    "policy to evaluate; run launch.train first")
         ids = self.family.task_ids(self.config.env.train_split)
         ids = ids[:ws.tasks] if ws.tasks else ids
         share = distributed.process_share(len(ids))  # each host plays its share of the experts
@@ -245,7 +253,7 @@ class Trainer:
         samples = samples or c.eval.samples
         ids = self.family.task_ids(split)
         n = tasks if tasks is not None else c.eval.tasks
-        ids = ids[:n] if n else ids
+        ids = stratified(ids, n, self.family.task_family) if n else ids
         plan = [(t, g) for g, t in enumerate(ids) for _ in range(samples)]
         key = jax.random.fold_in(jax.random.key(c.seed + 1), step)
         trajs, stats = self.rollout(self.runner("eval"), plan, key)
@@ -329,6 +337,21 @@ class Trainer:
     def close(self) -> None:
         self.pool.close()
         self.log.close()
+
+
+def stratified(ids: list, n: int, family_of) -> list:
+    """n of `ids`, taken in turn from each sub-task family (in order of first appearance, each in
+    its own order), so a small evaluation covers the families instead of the first one."""
+    by_family: dict[str, list] = {}
+    for t in ids:
+        by_family.setdefault(family_of(t), []).append(t)
+    queues = list(by_family.values())
+    out = []
+    while len(out) < min(n, len(ids)):
+        for q in queues:
+            if q and len(out) < n:
+                out.append(q.pop(0))
+    return out
 
 
 def _bucketed(minibatches):

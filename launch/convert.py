@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 
 from absl import app, flags
+
+from launch import cli
 
 MODES = {"hf_to_orbax": ("hf", "orbax"), "orbax_to_hf": ("orbax", "hf")}
 
@@ -80,15 +81,10 @@ def main(argv):
     if FLAGS.mesh:
         import models
         mesh = models.make_mesh([int(x) for x in FLAGS.mesh])
-    try:
-        summary = convert(FLAGS.mode, FLAGS.src, FLAGS.dst, dtype=FLAGS.dtype,
-                          max_shard_size=FLAGS.max_shard_size, overwrite=FLAGS.overwrite,
-                          config_dir=FLAGS.config_dir, mesh=mesh)
-    except (ValueError, OSError) as e:  # bad input: one line, no traceback
-        print(f"convert: error: {e}", file=sys.stderr)
-        sys.exit(1)
+    summary = convert(FLAGS.mode, FLAGS.src, FLAGS.dst, dtype=FLAGS.dtype, max_shard_size=FLAGS.max_shard_size,
+                      overwrite=FLAGS.overwrite, config_dir=FLAGS.config_dir, mesh=mesh)
     print(json.dumps(summary))
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -8,17 +8,16 @@ run's logged evaluations.
 from __future__ import annotations
 
 import json
-import os
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from launch import cli
 
 config_flags.DEFINE_config_file("config", None, "The run's config file.", lock_config=True)
 flags.DEFINE_string("workdir", None, "The run directory (as given to launch.train).")
-flags.DEFINE_integer("checkpoint", None, "Checkpoint step; default: the newest; 0: the starting policy.",
-                     lower_bound=0)
+flags.DEFINE_integer("checkpoint", None, "Checkpoint step; default: the newest (a run without one is "
+                     "refused); 0: the starting policy.", lower_bound=0)
 flags.DEFINE_string("split", None, "Task split (default: the config's eval split).")
 flags.DEFINE_integer("samples", None, "Samples per task (Avg@k).", lower_bound=1)
 flags.DEFINE_integer("tasks", None, "Evaluate only the first N tasks of the split.", lower_bound=1)
@@ -29,8 +28,6 @@ FLAGS = flags.FLAGS
 
 def main(argv):
     cli.start(argv)
-    if not os.path.isfile(os.path.join(FLAGS.workdir, "config.json")):
-        raise app.UsageError(f"{FLAGS.workdir} is not a run directory (no config.json); run launch.train first")
     from cope_jax.runs import eval_run
 
     print(json.dumps(eval_run(FLAGS.config, FLAGS.workdir, checkpoint=FLAGS.checkpoint, split=FLAGS.split,
@@ -38,4 +35,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

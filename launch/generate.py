@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
-from absl import app, flags
+from absl import flags
+
+from launch import cli
 
 flags.DEFINE_string("model", None, "Model directory: HF (config.json + safetensors) or Orbax (params/).")
 flags.DEFINE_string("prompt", None, "Prompt text.")
@@ -84,6 +85,11 @@ def generate() -> list[dict]:
         raise ValueError("the prompt encodes to no tokens")
     if FLAGS.stop and tok is None:
         raise ValueError("--stop strings need a tokenizer")
+    context = cfg.max_position_embeddings
+    if len(prompt) + FLAGS.max_new_tokens > context:
+        raise ValueError(f"the prompt ({len(prompt)} tokens) plus --max_new_tokens={FLAGS.max_new_tokens} exceeds "
+                         f"the model's context of {context} tokens"
+                         + (f"; use --max_new_tokens<={context - len(prompt)}" if len(prompt) < context else ""))
     stops = [tok.encode(s) for s in FLAGS.stop]
     eos = set(tok.eos_ids if tok is not None else ())
     cfg_eos = cfg.eos_token_id
@@ -102,18 +108,10 @@ def generate() -> list[dict]:
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from cope_jax.tokenizer import TokenizerError
-    from models import CheckpointError, ConfigError
-
-    try:
-        lines = generate()
-    except (CheckpointError, ConfigError, TokenizerError, ValueError) as e:
-        sys.exit(f"generate: error: {e}")
-    for line in lines:
+    cli.start(argv)
+    for line in generate():
         print(json.dumps(line, ensure_ascii=False), flush=True)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -25,7 +25,7 @@ import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compiling for a target needs no local accelerator
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from launch import cli  # noqa: E402
@@ -91,4 +91,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

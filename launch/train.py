@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from launch import cli
@@ -36,4 +36,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -84,7 +84,7 @@ def _cost(B, H, nq, nk, bq, bk, D, packed, itemsize) -> pl.CostEstimate:
 
 def _kernel(q_ids, k_ids, q_ref, k_ref, v_ref, out_ref, lse_ref, m_ref, l_ref, acc_ref, *, scale, packed, nk):
     i, j = pl.program_id(2), pl.program_id(3)
-    bq, bk = q_ref.shape[0], k_ref.shape[0]
+    bk = k_ref.shape[0]
 
     @pl.when(j == 0)
     def _start():

@@ -8,7 +8,7 @@ import pytest
 
 from envs import webshop
 from envs.pool import EnvPool
-from envs.webshop import (INSTRUCTION, NUM_GOALS, REQUIRED, SPLIT_IDS, WebShopEnv, check_install,
+from envs.webshop import (NUM_GOALS, REQUIRED, SPLIT_IDS, WebShopEnv, check_install,
                           format_observation, is_action)
 
 PAPER_INSTRUCTION_START = "You are web shopping. I will give you instructions about what to do."

@@ -4,7 +4,6 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 
@@ -74,9 +73,13 @@ def test_orbax_directory_and_prompt_ids_with_sampling(model_dir, tmp_path):
     (["--model=MODEL", "--prompt=hi", "--top_p=1.5"], "top_p"),
     (["--model=MODEL", "--prompt_ids=1,x"], "comma-separated integers"),
     (["--model=MODEL", "--prompt_ids=1,2", "--chat"], "--chat needs a text --prompt"),
+    (["--model=MODEL", "--prompt_ids=" + ",".join(["5"] * 600), "--max_new_tokens=4"],
+     "the prompt (600 tokens) plus --max_new_tokens=4 exceeds the model's context of 512 tokens"),
+    (["--model=MODEL", "--prompt_ids=" + ",".join(["5"] * 500), "--max_new_tokens=20"],
+     "use --max_new_tokens<=12"),
 ])
-def test_bad_flags_fail_with_a_clear_message(model_dir, args, message):
+def test_bad_flags_fail_with_one_line(model_dir, args, message):
     directory, _ = model_dir
     rc, lines, err = _run(*[a.replace("MODEL", directory) for a in args])
-    assert rc != 0 and not lines
-    assert message in err
+    assert rc == 1 and not lines
+    assert message in err and len(err.strip().splitlines()) == 1, err

@@ -2,7 +2,6 @@
 per-family interpreters, and the rule that envs/ never imports JAX or the model."""
 
 import ast
-import os
 import stat
 import sys
 import time

@@ -1,6 +1,5 @@
 """Parameters really sharded on 8 fake CPU devices, and sharded logits equal single-device logits."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx

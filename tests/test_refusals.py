@@ -1,0 +1,93 @@
+"""Inputs a run cannot take are refused before anything is written, in one line (exit 1), and a
+failed start leaves its workdir reusable."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from cope_jax import trainer as trainer_lib
+from cope_jax.runs import eval_run
+from models import CheckpointError, ConfigError
+from tests.test_train_e2e import tiny_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _binary(module, *args, cwd):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=dict(env, PYTHONPATH=REPO),
+                          capture_output=True, text=True, timeout=300)
+    return proc.returncode, proc.stderr.strip().splitlines()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--config=CONFIGS/demo.py", "--workdir="], "train: error: --workdir is empty"),
+    (["--config=CONFIGS/demo.py", "--workdir=REPO"], "is the repository's root"),
+    (["--config=CONFIGS/demo.py", "--workdir=run", "--config.train.row_len=100"],
+     "train.row_len=100 is shorter than rollout.max_len=768"),
+    (["--config=CONFIGS/demo.py:nosuch", "--workdir=run"], "unknown method 'nosuch'"),
+    (["--config=CONFIGS/nosuch.py", "--workdir=run"], "nosuch.py: no such config file"),
+    (["--config=CONFIGS/demo.py", "--workdir=run", "--nosuchflag"], "Unknown command line flag 'nosuchflag'"),
+    (["--config=CONFIGS/demo.py", "--workdir=run", "--config.model.init=pretrained",
+      "--config.model.path=/nonexistent"], "/nonexistent: no such directory"),
+    (["--config=CONFIGS/demo.py", "--workdir=run", "--config.rollout.max_fault_fraction=2"],
+     "rollout.max_fault_fraction=2: expected a fraction in [0, 1]"),
+])
+def test_train_refuses_in_one_line_and_writes_nothing(tmp_path, args, message):
+    args = [a.replace("CONFIGS", os.path.join(REPO, "configs")).replace("REPO", REPO) for a in args]
+    before = set(os.listdir(REPO))
+    rc, lines = _binary("launch.train", *args, cwd=str(tmp_path))
+    assert rc == 1 and len(lines) == 1 and message in lines[0], lines
+    assert os.listdir(tmp_path) == [] and set(os.listdir(REPO)) == before
+
+
+def test_sentencepiece_on_a_family_without_an_expert_is_refused_before_the_environment_starts(tmp_path):
+    c = tiny_config("grpo")
+    c.env.family = "tau2"
+    with pytest.raises(ConfigError, match="tau2 has no expert"):
+        trainer_lib.Trainer(c, str(tmp_path / "run"))
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_a_failed_start_leaves_the_workdir_reusable(tmp_path):
+    """A wrong model path is refused before the tokenizer is trained or config.json written; the
+    corrected command then starts in the same workdir (it used to be refused as 'a different config')."""
+    workdir = str(tmp_path / "run")
+    bad = tiny_config("grpo")
+    bad.model.update(init="pretrained", path=str(tmp_path / "missing"))
+    with pytest.raises(CheckpointError, match="no such directory"):
+        trainer_lib.Trainer(bad, workdir)
+    assert not os.path.exists(workdir)
+    trainer = trainer_lib.Trainer(tiny_config("grpo"), workdir)
+    trainer.close()
+    assert {"config.json", "tokenizer.model"} <= set(os.listdir(workdir))
+
+
+def test_eval_never_trains_and_refuses_a_run_without_checkpoints(tmp_path):
+    workdir = str(tmp_path / "run")
+    c = tiny_config("grpo")
+    c.warmstart.update(steps=2, tasks=4, batch_episodes=2)
+    trainer_lib.Trainer(c, workdir).close()  # a started run: config.json, no warm start, no checkpoint
+    before = sorted(os.listdir(workdir))
+    with pytest.raises(FileNotFoundError, match="has no checkpoint yet; pass --checkpoint=0"):
+        eval_run(c, workdir)
+    with pytest.raises(FileNotFoundError, match="no finished warm start"):
+        eval_run(c, workdir, checkpoint=0)
+    with pytest.raises(FileNotFoundError, match="has no checkpoint 3"):
+        eval_run(c, workdir, checkpoint=3)
+    assert sorted(os.listdir(workdir)) == before  # no warmstart/, no checkpoints/
+
+
+def test_a_small_evaluation_covers_the_task_families():
+    ids = list(range(10))
+    family = {i: "a" if i < 6 else "b" if i < 9 else "c" for i in ids}
+    assert trainer_lib.stratified(ids, 4, family.get) == [0, 6, 9, 1]
+    assert trainer_lib.stratified(ids, 20, family.get) == [0, 6, 9, 1, 7, 2, 8, 3, 4, 5]
+
+
+def test_eval_binary_refuses_a_directory_that_is_no_run_in_one_line(tmp_path):
+    rc, lines = _binary("launch.eval", f"--config={REPO}/configs/demo.py", f"--workdir={tmp_path}/nothing",
+                        cwd=str(tmp_path))
+    assert rc == 1 and lines == [f"eval: error: {tmp_path}/nothing is not a run directory (no config.json); "
+                                 "run launch.train first"]
