@@ -22,6 +22,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from models.safetensors_io import CheckpointError
+
 DATA_ITEM = "data_state"
 CONFIG_ITEM = "config"
 _RESERVED = (DATA_ITEM, CONFIG_ITEM)
@@ -100,13 +102,35 @@ class TrainCheckpointer:
         elif step not in self._manager.all_steps():
             raise FileNotFoundError(f"no checkpoint for step {step} in {self.workdir} "
                                     f"(have {self.all_steps()})")
+        missing = [name for name in (*abstract_state, *_RESERVED)
+                   if not os.path.isdir(os.path.join(self.step_dir(step), name))]
+        if missing:
+            raise CheckpointError(f"checkpoint step {step} ({self.step_dir(step)}) is unreadable: "
+                                  f"missing {', '.join(f'{m}/' for m in missing)}")
         items = {name: ocp.args.StandardRestore(_as_container(_abstract_key_data(tree)))
                  for name, tree in abstract_state.items()}
         items.update({k: ocp.args.JsonRestore() for k in _RESERVED})
-        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
-        state = {name: _data_to_keys(_from_container(restored[name], tree), tree)
-                 for name, tree in abstract_state.items()}
-        return step, state, dict(restored[DATA_ITEM]), dict(restored[CONFIG_ITEM])
+        try:
+            restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+            state = {name: _data_to_keys(_from_container(restored[name], tree), tree)
+                     for name, tree in abstract_state.items()}
+            data_state, config = dict(restored[DATA_ITEM]), dict(restored[CONFIG_ITEM])
+        except Exception as e:  # Orbax, TensorStore and JSON each raise their own types
+            raise CheckpointError(f"checkpoint step {step} ({self.step_dir(step)}) is unreadable: "
+                                  f"{_first_line(e)}") from e
+        return step, state, data_state, config
+
+    def set_aside(self, step: int) -> str:
+        """Renames an unreadable step out of the manager's sight (to `<step>.unreadable`, kept for
+        inspection), so training past it writes that step afresh. Returns the new path."""
+        target = self.step_dir(step) + ".unreadable"
+        n = 1
+        while os.path.exists(target):
+            n += 1
+            target = f"{self.step_dir(step)}.unreadable{n}"
+        os.rename(self.step_dir(step), target)
+        self._manager.reload()
+        return target
 
     def wait(self) -> None:
         """Blocks until the in-flight save (if any) is committed."""
@@ -120,6 +144,12 @@ class TrainCheckpointer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _first_line(e: BaseException) -> str:
+    """The first line of an exception's message (Orbax's errors run to dozens of lines)."""
+    text = str(e).strip()
+    return " ".join(text.splitlines()[0].split())[:300] if text else type(e).__name__
 
 
 # -- leaves and typed PRNG keys ---------------------------------------------------------------------

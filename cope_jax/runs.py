@@ -9,9 +9,10 @@ from cope_jax import distributed
 from cope_jax import metrics as metrics_lib
 
 
-def train_run(config, workdir: str, *, progress: bool = True) -> dict[str, Any]:
+def train_run(config, workdir: str, *, progress: bool = True, resume: str = "latest") -> dict[str, Any]:
     """Warm start (once per workdir), the starting policy's evaluation (once), then the RL stage
-    (resumed from the newest checkpoint). Returns the last evaluation summary."""
+    (resumed from the newest checkpoint; `resume`: `Trainer._resume`). Returns the last evaluation
+    summary."""
     from cope_jax.trainer import Trainer
 
     trainer = Trainer(config, workdir)
@@ -21,7 +22,7 @@ def train_run(config, workdir: str, *, progress: bool = True) -> dict[str, Any]:
         if config.eval.every and distributed.broadcast_object(0 not in logged):  # process 0's log decides
             s = trainer.evaluate(0)
             print(f"step 0 (start of RL): succ {s['succ']:.3f} score {s['score']:.3f}", file=sys.stderr)
-        summary = trainer.train(progress=progress)
+        summary = trainer.train(progress=progress, resume=resume)
         if not summary:  # nothing left to train: report the run's last evaluation
             evals = metrics_lib.latest_records(metrics_lib.read_log(trainer.workdir), "eval")
             summary = evals[max(evals)] if evals else {}

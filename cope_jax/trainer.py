@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import time
 from typing import Any
 
@@ -31,6 +32,7 @@ from flax import nnx
 import models
 from models import model_dir, orbax_io
 from models.config import ConfigError
+from models.safetensors_io import CheckpointError
 from cope_jax import distributed, run_config
 from cope_jax import faults as faults_lib
 from cope_jax import metrics as metrics_lib
@@ -52,6 +54,7 @@ WARMSTART_DIR = "warmstart"
 CHECKPOINT_DIR = "checkpoints"
 TOKENIZER_FILE = "tokenizer.model"
 WARMSTART_SCHEDULES = ("constant", "cosine")  # warmstart.lr_schedule
+RESUME_MODES = ("latest", "latest_valid")  # Trainer.train(resume=...): see Trainer._resume
 
 
 class Trainer:
@@ -264,8 +267,8 @@ class Trainer:
                        | {f"succ/{f}": v["succ"] for f, v in summary["families"].items()})
         return summary
 
-    def train(self, progress: bool = True) -> dict[str, Any]:
-        """The RL stage; resumes from the newest checkpoint in the workdir."""
+    def train(self, progress: bool = True, resume: str = "latest") -> dict[str, Any]:
+        """The RL stage; resumes from the newest checkpoint in the workdir (`resume`: see `_resume`)."""
         c = self.config
         needs_ref = "kl" in self.spec.terms and c.train.kl_coef != 0
         # the policy RL starts from; its own buffers (the learner donates the policy's)
@@ -275,10 +278,14 @@ class Trainer:
         base_key = distributed.replicate(jax.random.key(c.seed), self.mesh)
         ckpt = TrainCheckpointer(os.path.join(self.workdir, CHECKPOINT_DIR), keep=c.checkpoint.keep)
         start = 0
-        if ckpt.latest_step() is not None:
-            state = {"params": nnx.state(self.model, nnx.Param), "optimizer": nnx.state(learner.optimizer),
-                     "rng": base_key}
-            start, state, data_state, _ = ckpt.restore(abstract_state=state)
+        try:
+            restored = self._resume(ckpt, {"params": nnx.state(self.model, nnx.Param),
+                                           "optimizer": nnx.state(learner.optimizer), "rng": base_key}, resume)
+        except (CheckpointError, ConfigError):
+            ckpt.close()
+            raise
+        if restored is not None:
+            start, state, data_state, _ = restored
             nnx.update(self.model, state["params"])
             nnx.update(learner.optimizer, state["optimizer"])
             base_key = state["rng"]
@@ -333,6 +340,37 @@ class Trainer:
         ckpt.close()
         bar.close()
         return summary
+
+    def _resume(self, ckpt: TrainCheckpointer, abstract: dict, resume: str):
+        """-> `ckpt.restore`'s (step, state, data_state, config) of the newest readable step, or None in
+        a run without checkpoints. An unreadable newest step stops the run, naming it, what is wrong
+        and the newest intact step, unless resume='latest_valid': then the unreadable steps are set
+        aside (renamed, never deleted) and the run continues from the intact one."""
+        if resume not in RESUME_MODES:
+            raise ConfigError(f"--resume={resume}: expected one of {RESUME_MODES}")
+        unreadable = []
+        for step in reversed(ckpt.all_steps()):
+            try:
+                restored = ckpt.restore(step, abstract_state=abstract)
+            except CheckpointError as e:
+                unreadable.append((step, e))
+                continue
+            if unreadable and resume != "latest_valid":
+                raise CheckpointError(f"{unreadable[0][1]}; step {step} is intact: rerun with "
+                                      "--resume=latest_valid to continue from it")
+            for bad, _ in unreadable:
+                moved = ckpt.set_aside(bad) if self.is_main else ""
+                self._say(f"set aside unreadable checkpoint step {bad} as {os.path.basename(moved)}")
+            self._say(f"resuming from step {step} ({ckpt.step_dir(step)})")
+            return restored
+        if unreadable:
+            raise CheckpointError(f"{unreadable[0][1]}; no intact checkpoint to resume from (move "
+                                  f"{ckpt.workdir} aside to start over)")
+        return None
+
+    def _say(self, line: str) -> None:
+        if self.is_main:
+            print(line, file=sys.stderr, flush=True)
 
     def close(self) -> None:
         self.pool.close()

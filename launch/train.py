@@ -18,6 +18,9 @@ config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/demo.
                                 lock_config=True)
 flags.DEFINE_string("workdir", None, "Run directory (created; an existing one is resumed).")
 flags.DEFINE_bool("progress", True, "Show the console progress bar.")
+flags.DEFINE_enum("resume", "latest", ["latest", "latest_valid"], "latest: resume from the newest checkpoint "
+                  "and stop if it is unreadable (naming the newest intact one); latest_valid: set unreadable "
+                  "steps aside and resume from the newest intact one.")
 flags.mark_flags_as_required(["config", "workdir"])
 cli.define_multihost_flags()
 FLAGS = flags.FLAGS
@@ -27,7 +30,7 @@ def main(argv):
     cli.start(argv)
     from cope_jax.runs import train_run
 
-    final = train_run(FLAGS.config, FLAGS.workdir, progress=FLAGS.progress)
+    final = train_run(FLAGS.config, FLAGS.workdir, progress=FLAGS.progress, resume=FLAGS.resume)
     import jax
 
     if jax.process_index() == 0:

@@ -1,0 +1,75 @@
+"""A corrupt checkpoint: one line naming the step and what is wrong, the newest intact step and the
+flag; with `resume="latest_valid"` the run continues from the intact step to the same metrics."""
+import glob
+import json
+import os
+import shutil
+
+import pytest
+
+from cope_jax.runs import train_run
+from cope_jax.trainer import Trainer
+from models import CheckpointError
+from tests.test_train_e2e import TIMING, tiny_config
+
+
+def _train_records(workdir):
+    out = {}
+    for r in map(json.loads, open(os.path.join(workdir, "metrics.jsonl"))):
+        if r["kind"] == "train":
+            out[r["step"]] = {k: v for k, v in r.items() if not k.endswith(TIMING)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """Three steps trained straight; checkpoints 2 and 3 kept."""
+    workdir = str(tmp_path_factory.mktemp("straight") / "run")
+    c = tiny_config("grpo", steps=3)
+    c.eval.every = 0
+    train_run(c, workdir, progress=False)
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2", "3"]
+    return c, workdir
+
+
+def _truncate(path):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def _largest_file(directory):
+    return max((p for p in glob.glob(os.path.join(directory, "**"), recursive=True) if os.path.isfile(p)),
+               key=os.path.getsize)
+
+
+CORRUPTIONS = {
+    "truncated data file": (lambda d: _truncate(_largest_file(os.path.join(d, "params"))), ""),
+    "missing _METADATA": (lambda d: os.remove(os.path.join(d, "params", "_METADATA")), ""),
+    "truncated data_state": (lambda d: _truncate(os.path.join(d, "data_state", "metadata")), ""),
+    "missing optimizer": (lambda d: shutil.rmtree(os.path.join(d, "optimizer")), "missing optimizer/"),
+}
+
+
+@pytest.mark.parametrize("case", list(CORRUPTIONS))
+def test_a_corrupt_step_stops_with_one_line_then_resumes_from_the_intact_one(straight, tmp_path, case, capsys):
+    c, source = straight
+    workdir = str(tmp_path / "run")
+    shutil.copytree(source, workdir)
+    corrupt, detail = CORRUPTIONS[case]
+    corrupt(os.path.join(workdir, "checkpoints", "3"))
+    trainer = Trainer(c, workdir)
+    try:
+        with pytest.raises(CheckpointError) as e:
+            trainer.train(progress=False)
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith("checkpoint step 3 (") and "is unreadable" in msg, msg
+        assert detail in msg and msg.endswith("step 2 is intact: rerun with --resume=latest_valid to continue from it")
+        assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2", "3"]  # nothing touched
+        trainer.train(progress=False, resume="latest_valid")
+    finally:
+        trainer.close()
+    assert "resuming from step 2" in capsys.readouterr().err
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2", "3", "3.unreadable"]
+    records = [r for r in map(json.loads, open(os.path.join(workdir, "metrics.jsonl"))) if r["kind"] == "train"]
+    again = {k: v for k, v in records[-1].items() if not k.endswith(TIMING)}
+    assert again == _train_records(source)[3]
