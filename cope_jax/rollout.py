@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
@@ -160,7 +160,8 @@ class RolloutRunner:
     # -- the loop ----------------------------------------------------------------------------------
     def run(self, tasks: Sequence[tuple[int, int]], key: jax.Array, state: SamplerState | None = None, *,
             episode_ids: Sequence[int] | None = None, prefetch: Sequence[tuple[int, int]] = (),
-            prefetch_ids: Sequence[int] | None = None) -> tuple[list[Trajectory], RolloutStats]:
+            prefetch_ids: Sequence[int] | None = None, on_progress: Callable[[int], None] | None = None
+            ) -> tuple[list[Trajectory], RolloutStats]:
         """Plays one episode per (task_id, group_id); returns trajectories in input order.
 
         Turn j of episode i samples with fold_in(fold_in(key, episode_ids[i]), j) (default ids:
@@ -172,6 +173,8 @@ class RolloutRunner:
         decodes and while the caller trains on it; the next run of this runner picks up the
         episodes it plays again (same task, group and id) with their first observation ready and
         releases the others. Until then the pool must serve no other runner.
+
+        on_progress(ended): called as episodes end, with how many have (a progress bar's hook).
         """
         cfg, sampler = self.cfg, self.sampler
         stats = RolloutStats()
@@ -211,6 +214,8 @@ class RolloutRunner:
         ready_since = None
         try:
             while live:
+                if on_progress is not None:
+                    on_progress(len(episodes) - live)  # episodes ended so far (a progress bar)
                 t0 = time.perf_counter()
                 if cfg.sync:
                     results = self.pool.wait_all()
@@ -257,6 +262,8 @@ class RolloutRunner:
                     took = time.perf_counter() - t_gen
                     self._generate_s = took if not self._generate_s else 0.8 * self._generate_s + 0.2 * took
                     ready.clear()
+            if on_progress is not None:
+                on_progress(len(episodes))
         except BaseException:
             self.cancel_prefetch()  # the next batch may not come
             raise

@@ -17,10 +17,10 @@ def train_run(config, workdir: str, *, progress: bool = True, resume: str = "lat
 
     trainer = Trainer(config, workdir)
     try:
-        trainer.warmstart()
+        trainer.warmstart(progress=progress)
         logged = metrics_lib.latest_records(metrics_lib.read_log(trainer.workdir), "eval")
         if config.eval.every and distributed.broadcast_object(0 not in logged):  # process 0's log decides
-            s = trainer.evaluate(0)
+            s = trainer.evaluate(0, progress=progress)
             print(f"step 0 (start of RL): succ {s['succ']:.3f} score {s['score']:.3f}", file=sys.stderr)
         summary = trainer.train(progress=progress, resume=resume)
         if not summary:  # nothing left to train: report the run's last evaluation
@@ -32,7 +32,7 @@ def train_run(config, workdir: str, *, progress: bool = True, resume: str = "lat
 
 
 def eval_run(config, workdir: str, *, checkpoint: int | None = None, split: str | None = None,
-             samples: int | None = None, tasks: int | None = None) -> dict[str, Any]:
+             samples: int | None = None, tasks: int | None = None, progress: bool = False) -> dict[str, Any]:
     """Evaluates one checkpoint of a run (default: the newest; 0: the starting policy) and writes
     eval.json, eval.md and learning_curves.png next to the run's logged evaluations. Never trains:
     a run without checkpoints (or, for 0, without its finished warm start) is refused."""
@@ -63,7 +63,8 @@ def eval_run(config, workdir: str, *, checkpoint: int | None = None, split: str 
             _, state, _, _ = ckpt.restore(step, abstract_state={"params": nnx.state(trainer.model, nnx.Param)})
             nnx.update(trainer.model, state["params"])
         ckpt.close()
-        summary = trainer.evaluate(step, split=split, samples=samples, tasks=tasks, name="eval_binary")
+        summary = trainer.evaluate(step, split=split, samples=samples, tasks=tasks, name="eval_binary",
+                                   progress=progress)
         logged = metrics_lib.latest_records(metrics_lib.read_log(trainer.workdir), "eval")
         results = {f"step_{s}": _from_record(r) for s, r in sorted(logged.items())}
         results[f"checkpoint_{step}"] = summary

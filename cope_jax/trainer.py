@@ -177,7 +177,7 @@ class Trainer:
         return RolloutRunner(self.sampler, self.pool, c.env.family, self.family, self.chat, cfg)
 
     def rollout(self, runner: RolloutRunner, plan: list[tuple[int, int]], key,
-                next_plan: list[tuple[int, int]] = ()) -> tuple[list, Any]:
+                next_plan: list[tuple[int, int]] = (), on_progress=None) -> tuple[list, Any]:
         """Plays `plan` (episode i samples with key folded with i): each host its share, with its
         own pool and sampler; returns every episode's trajectory (plan order, on every host) and the
         rollout stats of all hosts together. `next_plan`: the batch `runner` plays next, whose
@@ -187,7 +187,8 @@ class Trainer:
         self.replica.refresh()
         key = jax.random.wrap_key_data(np.asarray(jax.random.key_data(key)), impl=jax.random.key_impl(key))
         trajs, stats = runner.run(plan[share], key, episode_ids=range(share.start, share.stop),
-                                  prefetch=next_plan[ahead], prefetch_ids=range(ahead.start, ahead.stop))
+                                  prefetch=next_plan[ahead], prefetch_ids=range(ahead.start, ahead.stop),
+                                  on_progress=on_progress)
         return distributed.gather_shares(trajs), RolloutStats.combined(distributed.allgather_objects(stats))
 
     def task_iterator(self):
@@ -197,7 +198,7 @@ class Trainer:
         return iter(ds)
 
     # -- stages -----------------------------------------------------------------------------------
-    def warmstart(self, train: bool = True) -> dict[str, Any] | None:
+    def warmstart(self, train: bool = True, progress: bool = False) -> dict[str, Any] | None:
         """Supervised warm start on expert demonstrations; done once per workdir (then reloaded).
         train=False only reloads it, and refuses a run whose warm start has not finished."""
         ws = self.config.warmstart
@@ -232,6 +233,7 @@ class Trainer:
         learner = Learner(self.model, *run_config.warmstart_configs(self.config), mesh=self.mesh)
         rng = np.random.RandomState(self.config.seed)
         t0 = time.time()
+        bar = _progress(0, ws.steps, enabled=progress and self.is_main, desc="warm start")
         for step in range(ws.steps):
             pick = rng.choice(len(demos), min(ws.batch_episodes, len(demos)), replace=False)
             batch = [dataclasses.replace(demos[i], group_id=j) for j, i in enumerate(pick)]
@@ -242,15 +244,17 @@ class Trainer:
                                        row_len=self.config.train.row_len,
                                        rows_per_micro=run_config.rows_per_micro(self.config, self.mesh))
             out = learner.train(_bucketed(mbs))
+            bar.update({"rft_loss": float(np.mean([m["loss"] for m in out]))})
             if (step + 1) % max(1, ws.steps // 20) == 0 or step + 1 == ws.steps:
                 self.log.write("warmstart", step + 1, {"rft_loss": float(np.mean([m["loss"] for m in out])),
                                                         "demos": len(demos), "af_examples": len(examples),
                                                         "seconds": time.time() - t0})
+        bar.close()
         orbax_io.save_orbax(self.model, directory)  # every process writes its shards
         return {"demos": len(demos), "seconds": time.time() - t0}
 
     def evaluate(self, step: int, *, split: str | None = None, samples: int | None = None,
-                 tasks: int | None = None, name: str = "eval") -> dict[str, Any]:
+                 tasks: int | None = None, name: str = "eval", progress: bool = False) -> dict[str, Any]:
         c = self.config
         split = split or c.env.eval_split
         samples = samples or c.eval.samples
@@ -259,7 +263,11 @@ class Trainer:
         ids = stratified(ids, n, self.family.task_family) if n else ids
         plan = [(t, g) for g, t in enumerate(ids) for _ in range(samples)]
         key = jax.random.fold_in(jax.random.key(c.seed + 1), step)
-        trajs, stats = self.rollout(self.runner("eval"), plan, key)
+        share = distributed.process_share(len(plan))
+        bar = _progress(0, share.stop - share.start, enabled=progress and self.is_main,
+                        desc=f"eval step {step} (episodes)")
+        trajs, stats = self.rollout(self.runner("eval"), plan, key, on_progress=bar.to)
+        bar.close()
         trajs, faults = faults_lib.drop(trajs, self.max_fault_fraction, what=f"evaluation at step {step}")
         summary = metrics_lib.summarize(trajs, overall=getattr(self.family, "overall", "count-weighted"))
         summary.update(split=split, samples=samples, tasks=len(ids), seconds=stats.wall_s, **faults.record())
@@ -442,19 +450,25 @@ class _progress:
     """tqdm bar with the live metrics (success, reward, AF loss, KL, entropy, throughput)."""
 
     KEYS = (("succ", "succ"), ("score", "rew"), ("af_loss", "af"), ("kl", "kl"), ("entropy", "ent"),
-            ("train_tokens_per_s", "tok/s"), ("env_steps_per_s", "env/s"), ("env_faults", "faults"))
+            ("rft_loss", "loss"), ("train_tokens_per_s", "tok/s"), ("env_steps_per_s", "env/s"),
+            ("env_faults", "faults"))
 
-    def __init__(self, start: int, total: int, enabled: bool):
+    def __init__(self, start: int, total: int, enabled: bool, desc: str = "RL"):
         self.bar = None
         if enabled:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, initial=start, desc="RL", dynamic_ncols=True)
+            self.bar = tqdm(total=total, initial=start, desc=desc, dynamic_ncols=True)
 
     def update(self, record: dict) -> None:
         if self.bar is not None:
             self.bar.set_postfix({short: f"{record[k]:.3g}" for k, short in self.KEYS if k in record})
             self.bar.update(1)
+
+    def to(self, n: int) -> None:
+        """Moves the bar to n done (a hook for loops that report a count)."""
+        if self.bar is not None and n != self.bar.n:
+            self.bar.update(n - self.bar.n)
 
     def note(self, text: str) -> None:
         if self.bar is not None:

@@ -69,8 +69,7 @@ def convert(mode: str, src: str, dst: str, *, dtype: str | None = None, max_shar
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    cli.start(argv)
     for name in ("mode", "src", "dst"):
         if not getattr(FLAGS, name):
             raise app.UsageError(f"--{name} is required")

@@ -20,7 +20,9 @@ flags.DEFINE_integer("checkpoint", None, "Checkpoint step; default: the newest (
                      "refused); 0: the starting policy.", lower_bound=0)
 flags.DEFINE_string("split", None, "Task split (default: the config's eval split).")
 flags.DEFINE_integer("samples", None, "Samples per task (Avg@k).", lower_bound=1)
-flags.DEFINE_integer("tasks", None, "Evaluate only the first N tasks of the split.", lower_bound=1)
+flags.DEFINE_integer("tasks", None, "Evaluate N tasks of the split, taken in turn from each sub-task family.",
+                     lower_bound=1)
+flags.DEFINE_bool("progress", True, "Show the console progress bar.")
 flags.mark_flags_as_required(["config", "workdir"])
 cli.define_multihost_flags()
 FLAGS = flags.FLAGS
@@ -31,7 +33,7 @@ def main(argv):
     from cope_jax.runs import eval_run
 
     print(json.dumps(eval_run(FLAGS.config, FLAGS.workdir, checkpoint=FLAGS.checkpoint, split=FLAGS.split,
-                              samples=FLAGS.samples, tasks=FLAGS.tasks)))
+                              samples=FLAGS.samples, tasks=FLAGS.tasks, progress=FLAGS.progress)))
 
 
 if __name__ == "__main__":

@@ -91,3 +91,22 @@ def test_eval_binary_refuses_a_directory_that_is_no_run_in_one_line(tmp_path):
                         cwd=str(tmp_path))
     assert rc == 1 and lines == [f"eval: error: {tmp_path}/nothing is not a run directory (no config.json); "
                                  "run launch.train first"]
+
+
+def test_the_warm_start_and_evaluation_show_progress(tmp_path, capsys):
+    c = tiny_config("grpo")
+    c.warmstart.update(steps=2, tasks=8, batch_episodes=4)
+    trainer = trainer_lib.Trainer(c, str(tmp_path / "run"))
+    try:
+        trainer.warmstart(progress=True)
+        trainer.evaluate(0, progress=True)
+    finally:
+        trainer.close()
+    err = capsys.readouterr().err
+    assert "warm start" in err and "2/2" in err
+    assert "eval step 0 (episodes)" in err and "2/2" in err.split("eval step 0")[-1]
+
+
+def test_verbose_shows_the_traceback_behind_the_one_line(tmp_path):
+    rc, lines = _binary("launch.train", f"--config={REPO}/configs/demo.py", "--workdir=", "--verbose", cwd=str(tmp_path))
+    assert rc == 1 and any("Traceback" in line for line in lines) and "--workdir is empty" in lines[-1]
