@@ -8,7 +8,9 @@ from __future__ import annotations
 import importlib
 import sys
 
-from absl import app, flags
+from absl import flags
+
+from launch import cli
 
 SUITES = {
     "sampler": "launch.bench_sampler",
@@ -36,4 +38,4 @@ if __name__ == "__main__":
             name = arg.split("=", 1)[1]
             if name in SUITES:
                 importlib.import_module(SUITES[name])
-    app.run(main)
+    cli.run(main)
