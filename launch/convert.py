@@ -37,8 +37,9 @@ FLAGS = flags.FLAGS
 
 
 def convert(mode: str, src: str, dst: str, *, dtype: str | None = None, max_shard_size: str = "5GB",
-            overwrite: bool = False, config_dir: str | None = None, mesh=None) -> dict:
-    """Runs one conversion; returns a summary. Raises ValueError/OSError on bad input, dst untouched."""
+            overwrite: bool = False, config_dir: str | None = None, mesh=None, progress: bool = False) -> dict:
+    """Runs one conversion; returns a summary. Raises ValueError/OSError on bad input, dst untouched.
+    progress: a bar over the two long phases (read, write) on a terminal."""
     import models
     from models import hf_io, model_dir, orbax_io
 
@@ -55,14 +56,20 @@ def convert(mode: str, src: str, dst: str, *, dtype: str | None = None, max_shar
         raise ValueError(f"{config_dir or src}: no {model_dir.CONFIG_FILE}; for a training checkpoint "
                          f"step pass --config_dir=DIR (a directory with the model's config.json)")
     hf_io.parse_size(max_shard_size)  # validate before the (long) load
+    from tqdm import tqdm
+
     t0 = time.perf_counter()
-    model, cfg = models.load_model(src, dtype=dtype, mesh=mesh, config_dir=config_dir)
-    carry_from = config_dir or src
-    if dst_kind == "orbax":
-        files = orbax_io.save_orbax(model, dst, carry_from=carry_from, overwrite=overwrite)
-    else:
-        files = hf_io.save_hf(model, dst, max_shard_size=max_shard_size, carry_from=carry_from,
-                              overwrite=overwrite)
+    with tqdm(total=2, desc=f"read {src_kind}", disable=None if progress else True, leave=False) as bar:
+        model, cfg = models.load_model(src, dtype=dtype, mesh=mesh, config_dir=config_dir)
+        bar.update(1)
+        bar.set_description(f"write {dst_kind}")
+        carry_from = config_dir or src
+        if dst_kind == "orbax":
+            files = orbax_io.save_orbax(model, dst, carry_from=carry_from, overwrite=overwrite)
+        else:
+            files = hf_io.save_hf(model, dst, max_shard_size=max_shard_size, carry_from=carry_from,
+                                  overwrite=overwrite)
+        bar.update(1)
     return {"mode": mode, "src": src, "dst": dst, "architecture": cfg.architecture, "dtype": cfg.param_dtype,
             "params": models.qwen.count_params(cfg), "files": files,
             "seconds": round(time.perf_counter() - t0, 3)}
@@ -81,7 +88,7 @@ def main(argv):
         import models
         mesh = models.make_mesh([int(x) for x in FLAGS.mesh])
     summary = convert(FLAGS.mode, FLAGS.src, FLAGS.dst, dtype=FLAGS.dtype, max_shard_size=FLAGS.max_shard_size,
-                      overwrite=FLAGS.overwrite, config_dir=FLAGS.config_dir, mesh=mesh)
+                      overwrite=FLAGS.overwrite, config_dir=FLAGS.config_dir, mesh=mesh, progress=True)
     print(json.dumps(summary))
 
 
