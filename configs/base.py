@@ -70,6 +70,7 @@ def base_config(method: str = "cope") -> ml_collections.ConfigDict:
         af_coef=0.01, af_mode="joint", af_norm="success_groups", horizon=-1,  # -1: the method's K
         echo_coef=0.01, rft_coef=1.0, skip_invalid=False, skip_no_call=False,
         progpo_scale=0.3, logprob_chunk=2048,
+        norm_length=0,  # agg_mode seq-mean-token-sum-norm's constant horizon; 0: rollout.max_len
     ))
     # optional supervised warm start on expert demonstrations (the demo uses it); af_examples:
     # forecasting examples (SPEC 3 format, from the demonstrations) joining each step, 0 = off;

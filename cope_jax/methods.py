@@ -123,6 +123,14 @@ class LossConfig:
         return {"pg": 1.0, "kl": self.kl_coef, "entropy": -self.entropy_coef, "af": self.af_coef,
                 "rft": self.rft_coef, "echo": self.echo_coef}[term]
 
+    def active_terms(self, terms) -> tuple[str, ...]:
+        """`terms` without those switched off by a zero coefficient whose inputs are then never
+        computed: kl (no reference log-probs) and entropy (no entropy pass). Their metrics would
+        report a KL against zeros and an entropy of 0."""
+        off = {"kl"} if self.kl_coef == 0 else set()
+        off |= {"entropy"} if self.entropy_coef == 0 else set()
+        return tuple(t for t in terms if t not in off)
+
     def coefficients(self, terms) -> dict[str, float]:
         """{term: coefficient} over all TERMS, 0 for terms not in `terms` (a runtime input of the
         step, so term sets and coefficient schedules share one compiled program)."""

@@ -22,7 +22,8 @@ def loss_config(c: ml_collections.ConfigDict) -> LossConfig:
         clip_low=t.clip_low, clip_high=t.clip_high, dual_clip=t.dual_clip or None, kl_coef=t.kl_coef,
         entropy_coef=t.entropy_coef, temperature=c.rollout.temperature, aggregation=t.agg_mode,
         af_coef=t.af_coef, af_normalization=t.af_norm, af_mode=t.af_mode, rft_coef=t.rft_coef,
-        echo_coef=t.echo_coef, progpo_scale=t.progpo_scale, logits_chunk_tokens=t.logprob_chunk)
+        echo_coef=t.echo_coef, progpo_scale=t.progpo_scale, logits_chunk_tokens=t.logprob_chunk,
+        norm_length=int(t.norm_length) or int(c.rollout.max_len))
 
 
 def optimizer_config(c: ml_collections.ConfigDict) -> OptimizerConfig:

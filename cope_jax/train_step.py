@@ -316,13 +316,13 @@ class Learner:
     # -- public API --------------------------------------------------------------------------------
     def step(self, batch: PackedBatch, terms: Sequence[str]) -> dict[str, jax.Array]:
         """One optimizer step on a placed or host batch [micro, rows, L]; returns its metrics."""
-        terms = tuple(terms)
         unknown = set(terms) - set(TERM_FNS)
         if unknown:
             raise ValueError(f"unknown loss terms {sorted(unknown)}")
+        terms = self.cfg.active_terms(terms)
         coefs = {t: jnp.float32(c) for t, c in self.cfg.coefficients(terms).items()}
         state = nnx.state((self.model, self.optimizer))
-        step = self._step_fn("entropy" in terms and self.cfg.entropy_coef != 0)
+        step = self._step_fn("entropy" in terms)
         new_state, metrics = step(state, place_batch(batch, self.mesh), coefs)
         nnx.update((self.model, self.optimizer), new_state)
         return {k: v for k, v in metrics.items() if _reported(k, terms)}
@@ -334,7 +334,7 @@ class Learner:
         return fn(_committed(nnx.state(model, nnx.Param)), place_batch(batch, self.mesh))
 
     def fill_logprobs(self, batch: PackedBatch, terms: Sequence[str], ref_model=None) -> tuple[PackedBatch, dict]:
-        """Adds old_logp (policy terms) and ref_logp ('kl' with kl_coef != 0) to a host batch.
+        """Adds old_logp (policy terms) and ref_logp (an active 'kl' term) to a host batch.
 
         Also reports the sampler/trainer drift |sampler_logp - old_logp| over sampled tokens (SPEC 1).
         The logprobs stay on the devices, in the batch's sharding (on several hosts no host holds
@@ -356,7 +356,7 @@ class Learner:
             batch = batch.replace(old_logp=logprobs())
             drift_max, drift_mean = _drift(batch.sampler_logp, batch.old_logp, batch.pg_weight)
             metrics["sampler_drift_max"], metrics["sampler_drift_mean"] = float(drift_max), float(drift_mean)
-        if "kl" in terms and self.cfg.kl_coef != 0:
+        if "kl" in self.cfg.active_terms(terms):
             if ref_model is None:
                 raise ValueError("the 'kl' term needs a reference model")
             batch = batch.replace(ref_logp=logprobs(ref_model))

@@ -115,13 +115,14 @@ class Trainer:
         path = os.path.join(self.workdir, "config.json")
         if not os.path.isfile(path):
             return None
-        current = json.loads(self.config.to_json())
+        current = _flat(json.loads(self.config.to_json()))
         with open(path) as f:
-            saved = json.load(f)
-        if saved != current:
-            diff = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
-            raise ConfigError(f"{self.workdir} holds a run with a different config (sections {diff}); "
-                              "use a new --workdir or the same config")
+            saved = _flat(json.load(f))
+        # fields added to the project's configs since the run started are not a different config
+        diff = sorted(k for k in saved if saved[k] != current.get(k, _MISSING))
+        if diff:
+            raise ConfigError(f"{self.workdir} holds a run with a different config ({', '.join(diff[:6])}"
+                              f"{', ...' if len(diff) > 6 else ''}); use a new --workdir or the same config")
         return saved
 
     def _check_model_path(self) -> None:
@@ -278,7 +279,7 @@ class Trainer:
     def train(self, progress: bool = True, resume: str = "latest") -> dict[str, Any]:
         """The RL stage; resumes from the newest checkpoint in the workdir (`resume`: see `_resume`)."""
         c = self.config
-        needs_ref = "kl" in self.spec.terms and c.train.kl_coef != 0
+        needs_ref = "kl" in self.loss_cfg.active_terms(self.spec.terms)
         # the policy RL starts from; its own buffers (the learner donates the policy's)
         ref_model = models.qwen.frozen_copy(self.model) if needs_ref else None
         learner = Learner(self.model, self.loss_cfg, self.opt_cfg, mesh=self.mesh)
@@ -383,6 +384,20 @@ class Trainer:
     def close(self) -> None:
         self.pool.close()
         self.log.close()
+
+
+_MISSING = object()
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    """{"train.row_len": 768, ...} of a nested config dict."""
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def stratified(ids: list, n: int, family_of) -> list:

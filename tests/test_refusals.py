@@ -110,3 +110,30 @@ def test_the_warm_start_and_evaluation_show_progress(tmp_path, capsys):
 def test_verbose_shows_the_traceback_behind_the_one_line(tmp_path):
     rc, lines = _binary("launch.train", f"--config={REPO}/configs/demo.py", "--workdir=", "--verbose", cwd=str(tmp_path))
     assert rc == 1 and any("Traceback" in line for line in lines) and "--workdir is empty" in lines[-1]
+
+
+def test_seq_mean_token_sum_norm_is_chosen_from_a_config():
+    """It used to raise at start-up (no config field for its horizon)."""
+    from cope_jax import run_config
+
+    c = tiny_config("grpo")
+    c.train.agg_mode = "seq-mean-token-sum-norm"
+    assert run_config.loss_config(c).norm_length == c.rollout.max_len  # 0: the episode cap
+    c.train.norm_length = 300
+    assert run_config.loss_config(c).norm_length == 300
+
+
+def test_a_run_refuses_another_config_but_not_fields_added_since(tmp_path):
+    import json
+
+    workdir = str(tmp_path / "run")
+    c = tiny_config("grpo")
+    trainer_lib.Trainer(c, workdir).close()
+    path = os.path.join(workdir, "config.json")
+    saved = json.load(open(path))
+    del saved["rollout"]["max_fault_fraction"]  # as written before the field existed
+    json.dump(saved, open(path, "w"))
+    trainer_lib.Trainer(c, workdir).close()
+    c.train.learning_rate = 0.5
+    with pytest.raises(ConfigError, match=r"holds a run with a different config \(train.learning_rate\)"):
+        trainer_lib.Trainer(c, workdir)

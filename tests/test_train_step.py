@@ -475,3 +475,18 @@ def test_grpo_steps_favour_successful_rollouts(setup):
     delta = action_logp(model) - before
     won = np.array([t.success for t in trajs], bool)
     assert (delta[won] > 0).all() and (delta[~won] < 0).all(), (delta, won)
+
+
+def test_a_zero_coefficient_switches_kl_and_entropy_off_with_their_metrics():
+    """kl_coef 0: no reference pass, so no KL metric (it used to report a KL against zeros, near the
+    clamp); entropy_coef 0: no entropy pass, so no entropy metric (it used to report 0)."""
+    spec = methods.get_method("grpo")
+    for kl, ent, want in ((1e-3, 1e-3, {"kl", "entropy"}), (0.0, 1e-3, {"entropy"}), (0.0, 0.0, set())):
+        cfg = dataclasses.replace(LOSS, kl_coef=kl, entropy_coef=ent)
+        mbs, _ = batching.build_minibatches(TRAJS, [], spec, cfg, groups_per_minibatch=len(SUCCESS),
+                                            row_len=ROW_LEN, rows_per_micro=ROWS)
+        learner = train_step.Learner(fresh_model(), cfg, OPT)
+        [metrics] = learner.train(mbs, fresh_model() if kl else None)  # kl 0: no reference model needed
+        assert {k for k in metrics if k in ("kl", "entropy")} == want, metrics
+        if kl:
+            assert 0 <= metrics["kl"] < 1e-3  # the policy is its own reference at the first step

@@ -96,7 +96,7 @@ def run_programs(c: ml_collections.ConfigDict, model_cfg: QwenConfig, devices, m
     frozen_cfg = qwen.frozen_config(model_cfg)
     replica = qwen.abstract_placed_model(frozen_cfg, host_mesh) if hosts > 1 else None
     spec = get_method(c.method, horizon=None if c.train.horizon < 0 else int(c.train.horizon))
-    needs_reference = "kl" in spec.terms and c.train.kl_coef != 0
+    needs_reference = "kl" in run_config.loss_config(c).active_terms(spec.terms)
     reference = per_chip_bytes(_params(qwen.abstract_placed_model(frozen_cfg, mesh))) if needs_reference else 0
     layout = Layout(mesh=mesh, host_mesh=host_mesh, hosts=hosts, rows_per_micro=run_config.rows_per_micro(c, mesh),
                     params_bytes=params_bytes, optimizer_bytes=opt_bytes,
@@ -128,7 +128,7 @@ def _trainer_programs(c, model_cfg, layout: Layout, graphdef, state, spec) -> li
 
     model_def, params = _model_part(graphdef, state)
     logprobs = ts.logprobs_program(model_def, loss, mesh)
-    with_entropy = "entropy" in spec.terms and c.train.entropy_coef != 0
+    with_entropy = "entropy" in loss.active_terms(spec.terms)
     out = [
         Program("train_step", step(loss, with_entropy), shape, rows * T, train_loops, layout.params_bytes,
                 layout.optimizer_bytes, layout.reference_bytes + layout.replica_bytes,
