@@ -66,9 +66,6 @@ class RolloutStats:
     env_steps: int = 0
     sampler_calls: int = 0
 
-    def as_dict(self) -> dict[str, float]:
-        return dataclasses.asdict(self)
-
     @classmethod
     def combined(cls, parts: Sequence["RolloutStats"]) -> "RolloutStats":
         """Stats of rollouts run side by side (one per host): counts and busy times add up, the
@@ -158,7 +155,7 @@ class RolloutRunner:
         return self.chat.turn(role, text)
 
     # -- the loop ----------------------------------------------------------------------------------
-    def run(self, tasks: Sequence[tuple[int, int]], key: jax.Array, state: SamplerState | None = None, *,
+    def run(self, tasks: Sequence[tuple[int, int]], key: jax.Array, *,
             episode_ids: Sequence[int] | None = None, prefetch: Sequence[tuple[int, int]] = (),
             prefetch_ids: Sequence[int] | None = None, on_progress: Callable[[int], None] | None = None
             ) -> tuple[list[Trajectory], RolloutStats]:
@@ -179,7 +176,7 @@ class RolloutRunner:
         cfg, sampler = self.cfg, self.sampler
         stats = RolloutStats()
         t_start = time.perf_counter()
-        state = sampler.init_state() if state is None else state
+        state = sampler.init_state()
         uids = range(len(tasks)) if episode_ids is None else [int(u) for u in episode_ids]
         if len(uids) != len(tasks):
             raise ValueError(f"{len(uids)} episode_ids for {len(tasks)} episodes")

@@ -50,8 +50,8 @@ class Trajectory:
     task_id, group_id: the task, and the rollout group (the n rollouts of one task in one batch).
     family:           sub-task family for per-family metrics.
     finish_reason:    why the episode ended ('done', 'max_rounds', 'context_full', 'env_error', ...).
-    timings:          seconds per phase (e.g. {'generate': .., 'env': ..}).
-    metadata:         anything else the environment reports (never read by the trainer).
+    metadata:         anything else the environment reports (the trainer reads only its fault
+                      details, for warnings: `cope_jax/faults.py`).
     """
 
     tokens: np.ndarray
@@ -68,7 +68,6 @@ class Trajectory:
     group_id: int = 0
     family: str = ""
     finish_reason: str = ""
-    timings: dict[str, float] = dataclasses.field(default_factory=dict)
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):

@@ -121,12 +121,6 @@ def _shortest_path(exits: dict[str, dict[str, str]], src: str, dst: str,
     return path[::-1]
 
 
-def _walk(exits, src, path):
-    for d in path:
-        src = exits[src][d]
-    return src
-
-
 def shortest_solution(task: Task) -> list[str]:
     """Deterministic shortest solution of a task, planned on the full map."""
     go = lambda path: [f"go {d}" for d in path]  # noqa: E731

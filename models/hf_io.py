@@ -222,11 +222,6 @@ def _take_layer(stacked: jax.Array, layer) -> jax.Array:
     return jax.lax.dynamic_index_in_dim(stacked, layer, keepdims=False)
 
 
-def hf_state_dict(model: qwen.Qwen, dtype=None) -> dict[str, np.ndarray]:
-    """{HF tensor name: numpy array} of a model, in HF layout (gathered to host)."""
-    return {t.name: t.read() for t in export_tensors(model, dtype)}
-
-
 def parse_size(size: int | str) -> int:
     """Bytes from 123, "500MB", "5GB" (powers of 10) or "2GiB" (powers of 2)."""
     if isinstance(size, int):
