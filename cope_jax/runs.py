@@ -58,7 +58,7 @@ def eval_run(config, workdir: str, *, checkpoint: int | None = None, split: str 
     try:
         ckpt = TrainCheckpointer(ckpt_dir)
         if not step:
-            trainer.warmstart(train=False)  # the starting policy: the warm start, when the run has one
+            trainer.warmstart()  # loads the finished warm start (checked above), never trains
         else:
             _, state, _, _ = ckpt.restore(step, abstract_state={"params": nnx.state(trainer.model, nnx.Param)})
             nnx.update(trainer.model, state["params"])

@@ -199,9 +199,8 @@ class Trainer:
         return iter(ds)
 
     # -- stages -----------------------------------------------------------------------------------
-    def warmstart(self, train: bool = True, progress: bool = False) -> dict[str, Any] | None:
-        """Supervised warm start on expert demonstrations; done once per workdir (then reloaded).
-        train=False only reloads it, and refuses a run whose warm start has not finished."""
+    def warmstart(self, progress: bool = False) -> dict[str, Any] | None:
+        """Supervised warm start on expert demonstrations; done once per workdir (then reloaded)."""
         ws = self.config.warmstart
         if ws.steps <= 0:
             return None
@@ -210,9 +209,6 @@ class Trainer:
             loaded, _ = models.load_model(directory, mesh=self.mesh, **run_config.execution(self.config))
             nnx.update(self.model, nnx.state(loaded, nnx.Param))
             return None
-        if not train:
-            raise FileNotFoundError(f"{self.workdir} has no finished warm start ({WARMSTART_DIR}/), so no starting "
-                                    "policy to evaluate; run launch.train first")
         ids = self.family.task_ids(self.config.env.train_split)
         ids = ids[:ws.tasks] if ws.tasks else ids
         share = distributed.process_share(len(ids))  # each host plays its share of the experts
@@ -245,9 +241,10 @@ class Trainer:
                                        row_len=self.config.train.row_len,
                                        rows_per_micro=run_config.rows_per_micro(self.config, self.mesh))
             out = learner.train(_bucketed(mbs))
-            bar.update({"rft_loss": float(np.mean([m["loss"] for m in out]))})
+            loss = float(np.mean([m["loss"] for m in out]))
+            bar.update({"rft_loss": loss})
             if (step + 1) % max(1, ws.steps // 20) == 0 or step + 1 == ws.steps:
-                self.log.write("warmstart", step + 1, {"rft_loss": float(np.mean([m["loss"] for m in out])),
+                self.log.write("warmstart", step + 1, {"rft_loss": loss,
                                                         "demos": len(demos), "af_examples": len(examples),
                                                         "seconds": time.time() - t0})
         bar.close()

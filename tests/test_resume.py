@@ -11,14 +11,7 @@ from cope_jax.runs import train_run
 from cope_jax.trainer import Trainer
 from models import CheckpointError
 from tests.test_train_e2e import TIMING, tiny_config
-
-
-def _train_records(workdir):
-    out = {}
-    for r in map(json.loads, open(os.path.join(workdir, "metrics.jsonl"))):
-        if r["kind"] == "train":
-            out[r["step"]] = {k: v for k, v in r.items() if not k.endswith(TIMING)}
-    return out
+from tests.test_train_e2e import _metrics as _train_records
 
 
 @pytest.fixture(scope="module")
