@@ -48,6 +48,9 @@ def base_config(method: str = "cope") -> ml_collections.ConfigDict:
         tasks_per_step=16, group_size=8,  # train batch (all hosts together): 16 tasks x 8 rollouts
         max_turn_tokens=512, temperature=1.0, top_p=1.0, top_k=0,
         max_len=16384,  # tokens per episode (Table 9 "maximum model length")
+        # Tables 9-11's maximum prompt / response length (0: off); an episode past either ends as
+        # context_full, a failure (cope_jax/rollout.py)
+        max_prompt_len=0, max_response_len=0,
         # concurrent episodes in each host's sampler; 0: the host's share of a step's episodes
         # (tasks_per_step x group_size / hosts): more rows than that hold KV cache no step fills
         sampler_rows=0,
@@ -68,9 +71,15 @@ def base_config(method: str = "cope") -> ml_collections.ConfigDict:
         clip_low=0.2, clip_high=0.2, dual_clip=0.0,  # dual clip c (0 = off; SPEC: 3.0 when on)
         kl_coef=1e-3, entropy_coef=1e-3, agg_mode="seq-mean-token-mean",
         af_coef=0.01, af_mode="joint", af_norm="success_groups", horizon=-1,  # -1: the method's K
-        echo_coef=0.01, rft_coef=1.0, skip_invalid=False, skip_no_call=False,
+        # skip_invalid: forecasting targets the environment rejected are refilled with the episode's
+        # next valid action (the paper's filter, section 8; cope_jax/forecasting.py)
+        # af_group_norm: forecasting weight 1/max(1,|S_x|) (False: 1, the paper's ablation)
+        echo_coef=0.01, rft_coef=1.0, skip_invalid=False, skip_no_call=False, af_group_norm=True,
         progpo_scale=0.3, logprob_chunk=2048,
         norm_length=0,  # agg_mode seq-mean-token-sum-norm's constant horizon; 0: rollout.max_len
+        # loss terms whose own gradient norm every step reports (grad_norm_<term>): one more forward
+        # and backward pass each, e.g. ("pg", "af") for the policy and forecasting terms' balance
+        grad_norm_terms=(),
     ))
     # optional supervised warm start on expert demonstrations (the demo uses it); af_examples:
     # forecasting examples (SPEC 3 format, from the demonstrations) joining each step, 0 = off;

@@ -12,7 +12,8 @@ up the recovery rule (0.18), so the demo runs seed 1. Stage 2 runs CoPE (GRPO + 
 forecasting) from there. Everything is local: the tokenizer is a small SentencePiece model
 trained on the environment's own text, the model is randomly initialised.
 
-`python -m launch.bench --suite=learning --seeds=3` (this config, one warm start, RL seeds 1-3;
+`python -m launch.bench --suite=ablation --ablation_arms=grpo,cope_k2` (this config, one warm start,
+RL seeds 1-3;
 the seed also draws the evaluation's samples, so the same warm start scores 0.565 / 0.625 / 0.595):
 test success at steps 0 / 10 / 20, mean of the 3 seeds, CoPE 0.595 / 0.672 / 0.703 (every seed
 +0.09 to +0.125 by step 20), GRPO 0.595 / 0.662 / 0.725.

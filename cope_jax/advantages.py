@@ -102,7 +102,7 @@ def forecast_weights(success, group_ids) -> np.ndarray:
         raise ValueError("success must be 0/1")
     _, inv = _groups(group_ids)
     n_success = np.bincount(inv, y, minlength=inv.max(initial=-1) + 1)[inv]
-    return (y / np.maximum(1.0, n_success)).astype(np.float32)
+    return y / np.maximum(1.0, n_success)  # float64: the exact ratio, rounded once where packed
 
 
 def groups_with_success(success, group_ids) -> int:

@@ -27,8 +27,7 @@ from typing import Sequence
 import numpy as np
 
 from cope_jax import advantages as adv_lib
-from cope_jax import losses
-from cope_jax.methods import POLICY_TERMS, LossConfig, MethodSpec
+from cope_jax.methods import TERMS, LossConfig, MethodSpec, WeightInputs, ordered
 from cope_jax.packing import (TOKEN_FIELDS, PackedBatch, PackStats, Segment, concat_rows, pack, split_micro,
                               truncate_left)
 from cope_jax.trajectory import ForecastExample, Trajectory
@@ -36,14 +35,18 @@ from cope_jax.trajectory import ForecastExample, Trajectory
 
 @dataclasses.dataclass
 class MiniBatch:
-    """One optimizer step's data: numpy PackedBatch [micro, rows, L] and the terms it optimizes."""
+    """One optimizer step's data: numpy PackedBatch [micro, rows, L], whose weights name the terms
+    it optimizes."""
 
     batch: PackedBatch
-    terms: tuple[str, ...]
     stats: PackStats
     groups: tuple[int, ...]
     num_trajectories: int
     num_examples: int
+
+    @property
+    def terms(self) -> tuple[str, ...]:
+        return ordered(self.batch.weights)
 
 
 def _rewards(trajectories: Sequence[Trajectory]) -> np.ndarray:
@@ -87,40 +90,52 @@ def _loss_mask(mask: np.ndarray) -> np.ndarray:
     return out
 
 
-def _spread(per_seq: np.ndarray, masks: list[np.ndarray]) -> list[np.ndarray]:
-    return [w * m.astype(np.float32) for w, m in zip(per_seq, masks)]
+def _set_weights(segments: list[Segment], masks: list[np.ndarray], term: str, cfg: LossConfig,
+                 **inputs) -> None:
+    """Gives each segment the weights of `term` on its loss tokens `masks` (the term's host weight
+    function over the whole mini-batch's counts)."""
+    counts = np.array([m.sum() for m in masks], np.float32)
+    per_token = TERMS[term].weights(WeightInputs(counts=counts, **inputs), cfg)
+    for seg, w, m in zip(segments, per_token, masks):
+        seg.weights[term] = seg.weight(term) + np.float32(w) * m
+
+
+def sequence_segments(tokens: Sequence, action_masks: Sequence, advantages, terms: Sequence[str],
+                      cfg: LossConfig, row_len: int, *, obs_masks: Sequence | None = None,
+                      sampler_logps: Sequence | None = None, first_index: int = 0) -> list[Segment]:
+    """Sequences of token ids -> segments carrying the weights of `terms` (those reading action or
+    observation tokens), cut from the left to `row_len`; weights are normalized over all of them
+    (one mini-batch). tokens / action_masks / obs_masks / sampler_logps: one [T_i] array per
+    sequence; advantages [S]: one per sequence, spread over its action tokens."""
+    n = len(tokens)
+    obs_masks = [None] * n if obs_masks is None else obs_masks
+    sampler_logps = [None] * n if sampler_logps is None else sampler_logps
+    segs = []
+    for i in range(n):
+        action = np.asarray(action_masks[i], bool)
+        seg = Segment(tokens=tokens[i], seq_index=first_index + i, action_mask=action, obs_mask=obs_masks[i],
+                      sampler_logp=sampler_logps[i], advantage=np.float32(advantages[i]) * action)
+        segs.append(truncate_left(seg, row_len))
+    mask_of = {"action": lambda s: s.action_mask, "observation": lambda s: s.obs_mask}
+    for term in terms:
+        if TERMS[term].tokens in mask_of:
+            _set_weights(segs, [_loss_mask(mask_of[TERMS[term].tokens](s)) for s in segs], term, cfg)
+    return segs
 
 
 def trajectory_segments(trajectories: Sequence[Trajectory], advantages: np.ndarray, terms: Sequence[str],
                         cfg: LossConfig, row_len: int, first_index: int = 0) -> list[Segment]:
-    """Trajectory rows of one mini-batch with the weights of its policy / rft / echo terms."""
-    segs = []
-    for i, (t, a) in enumerate(zip(trajectories, advantages)):
-        seg = Segment(tokens=t.tokens, index=first_index + i, action_mask=t.action_mask, obs_mask=t.obs_mask,
-                      sampler_logp=t.sampler_logp, advantage=np.float32(a) * t.action_mask)
-        segs.append(truncate_left(seg, row_len))
-    action = [_loss_mask(s.action_mask) for s in segs]
-    counts = np.array([m.sum() for m in action], np.float32)
-    if set(terms) & set(POLICY_TERMS):
-        w = losses.sequence_token_weights(counts, cfg.aggregation, cfg.norm_length)
-        for s, wt in zip(segs, _spread(w, action)):
-            s.pg_weight = wt
-    if "rft" in terms:
-        w = losses.sequence_token_weights(counts, cfg.aggregation, cfg.norm_length)
-        for s, m, wt in zip(segs, action, _spread(w, action)):
-            s.target_mask, s.target_weight = m, wt
-    if "echo" in terms:
-        obs = [_loss_mask(s.obs_mask) for s in segs]
-        w = losses.sequence_token_weights(np.array([m.sum() for m in obs], np.float32), "token-mean")
-        for s, wt in zip(segs, _spread(w, obs)):
-            s.obs_weight = wt
-    return segs
+    """Trajectory rows of one mini-batch with the weights of their terms (`sequence_segments`)."""
+    return sequence_segments([t.tokens for t in trajectories], [t.action_mask for t in trajectories],
+                             advantages, terms, cfg, row_len, obs_masks=[t.obs_mask for t in trajectories],
+                             sampler_logps=[t.sampler_logp for t in trajectories], first_index=first_index)
 
 
-def example_segments(examples: Sequence[ForecastExample], num_groups: int, cfg: LossConfig,
-                     row_len: int, first_index: int = 0,
+def example_segments(examples: Sequence[ForecastExample], num_groups: int, terms: Sequence[str],
+                     cfg: LossConfig, row_len: int, first_index: int = 0,
                      trunks: dict[int, Segment] | None = None) -> list[Segment]:
-    """Forecasting-example rows with their AF weights; `num_groups` is the normalizer (losses).
+    """Forecasting-example rows with the weights of `terms` (those reading target tokens);
+    `num_groups` is the normalizer (losses).
 
     Examples of one trajectory share its history (`ForecastExample.prefix_len`), so they are packed
     as trees (`cope_jax/packing.py`): each example's continuation is a branch of a trunk holding the
@@ -155,13 +170,12 @@ def example_segments(examples: Sequence[ForecastExample], num_groups: int, cfg: 
         placed.append((seg, bundle))
     masks = [_loss_mask(m) for seg, _ in placed for m in _branch_masks(seg)]
     order = [j for _, members in placed for j in members]
-    w = losses.forecast_token_weights(np.array([examples[j].weight for j in order], np.float32),
-                                      np.array([m.sum() for m in masks], np.float32),
-                                      num_groups, cfg.af_normalization)
     segs = [seg for seg, members in placed for _ in members]
-    for seg, weight, mask in zip(segs, w, masks):
-        seg.target_weight = seg.target_weight + np.float32(weight) * mask
+    for seg, mask in zip(segs, masks):
         seg.target_mask = seg.target_mask | mask
+    example_weight = np.array([examples[j].weight for j in order], np.float32)
+    for term in (t for t in terms if TERMS[t].tokens == "target"):
+        _set_weights(segs, masks, term, cfg, example_weight=example_weight, num_groups=num_groups)
     return new
 
 
@@ -197,8 +211,8 @@ def forecast_bundles(examples: Sequence[ForecastExample], row_len: int) -> list[
 def _bundle_segment(bundle: list[ForecastExample], index: int, row_len: int) -> Segment:
     if len(bundle) == 1:
         e = bundle[0]
-        return truncate_left(Segment(tokens=e.tokens, index=index, target_mask=e.target_mask), row_len)
-    seg = Segment(tokens=bundle[-1].tokens[:bundle[-1].prefix_len], index=index)
+        return truncate_left(Segment(tokens=e.tokens, seq_index=index, target_mask=e.target_mask), row_len)
+    seg = Segment(tokens=bundle[-1].tokens[:bundle[-1].prefix_len], seq_index=index)
     _add_branches(seg, bundle)
     return seg
 
@@ -223,6 +237,8 @@ def _add_branches(seg: Segment, examples: list[ForecastExample]) -> None:
     for name, arrays in parts.items():
         setattr(seg, name, np.concatenate(arrays).astype(TOKEN_FIELDS[name], copy=False))
     seg.positions = np.concatenate(positions)
+    # the branches carry none of the segment's existing weights (theirs are added by the caller)
+    seg.weights = {k: np.concatenate([w, np.zeros(len(seg) - len(w), np.float32)]) for k, w in seg.weights.items()}
 
 
 def _branch_masks(seg: Segment) -> list[np.ndarray]:
@@ -232,20 +248,29 @@ def _branch_masks(seg: Segment) -> list[np.ndarray]:
     return [seg.target_mask & (seg.branch_ids == b) for b in range(1, int(seg.branch_ids.max()) + 1)]
 
 
-def _af_groups(trajectories: Sequence[Trajectory], cfg: LossConfig) -> int:
+def _forecast_groups(trajectories: Sequence[Trajectory], cfg: LossConfig) -> int:
     groups = [t.group_id for t in trajectories]
     if cfg.af_normalization == "paper_exact":
         return len(set(groups))
     return adv_lib.groups_with_success(_rewards(trajectories), groups)
 
 
-def _pack(segments, terms, groups, n_traj, n_ex, row_len, rows_per_micro) -> MiniBatch:
-    # trajectories and forecasting examples in separate micro-batches, trajectories first: only
-    # theirs need the old / reference log-probs (Learner.fill_logprobs skips the rest)
-    kinds = [[s for s in segments if s.index < n_traj], [s for s in segments if s.index >= n_traj]]
-    packed, stats = concat_rows([pack(k, row_len, rows_multiple=rows_per_micro) for k in kinds if k])
-    return MiniBatch(batch=split_micro(packed, rows_per_micro), terms=tuple(terms), stats=stats,
-                     groups=tuple(groups), num_trajectories=n_traj, num_examples=n_ex)
+def pack_minibatch(segments: Sequence[Segment], terms: Sequence[str], row_len: int, rows_per_micro: int,
+                   num_sequences: int | None = None) -> tuple[PackedBatch, PackStats]:
+    """Segments -> PackedBatch [micro, rows_per_micro, row_len] with one weight array per term.
+
+    The first `num_sequences` segments (default: all) are the trajectory rows, packed into their own
+    leading micro-batches: only they need the old / reference log-probs, so those forward passes
+    run on the leading micro-batches alone (`Learner.fill_logprobs`)."""
+    n = len(segments) if num_sequences is None else num_sequences
+    kinds = [[s for s in segments if s.seq_index < n], [s for s in segments if s.seq_index >= n]]
+    packed, stats = concat_rows([pack(k, row_len, terms=terms, rows_multiple=rows_per_micro) for k in kinds if k])
+    return split_micro(packed, rows_per_micro), stats
+
+
+def _minibatch(segments, terms, groups, n_traj, n_ex, row_len, rows_per_micro) -> MiniBatch:
+    batch, stats = pack_minibatch(segments, terms, row_len, rows_per_micro, num_sequences=n_traj)
+    return MiniBatch(batch=batch, stats=stats, groups=tuple(groups), num_trajectories=n_traj, num_examples=n_ex)
 
 
 def build_minibatches(trajectories: Sequence[Trajectory], examples: Sequence[ForecastExample],
@@ -264,14 +289,18 @@ def build_minibatches(trajectories: Sequence[Trajectory], examples: Sequence[For
         advantages = np.asarray(advantages, np.float32)
         if advantages.shape != (len(trajectories),):
             raise ValueError(f"advantages has shape {advantages.shape}, expected ({len(trajectories)},)")
-    if examples and "af" not in spec.terms:
-        raise ValueError(f"method {spec.name!r} has no forecasting term but {len(examples)} examples were given")
+    terms = cfg.active_terms(spec.terms)
+    target_terms = tuple(t for t in terms if TERMS[t].tokens == "target")
+    if examples and not target_terms:
+        raise ValueError(f"method {spec.name!r} has no active forecasting term but {len(examples)} examples "
+                         "were given")
     known = {t.group_id for t in trajectories}
     stray = sorted({e.group_id for e in examples} - known)
     if stray:
         raise ValueError(f"forecasting examples of groups {stray[:5]} have no trajectories in this batch")
     joint = cfg.af_mode == "joint"
-    step_terms = spec.terms if joint else spec.only(set(spec.terms) - {"af"})
+    # sequential: the forecasting terms get a mini-batch of their own, after the others
+    step_terms = terms if joint else tuple(t for t in terms if t not in target_terms)
     out: list[MiniBatch] = []
     for groups in minibatch_groups([t.group_id for t in trajectories], groups_per_minibatch):
         members = set(groups)
@@ -282,14 +311,16 @@ def build_minibatches(trajectories: Sequence[Trajectory], examples: Sequence[For
         exs = [e for e in examples if e.group_id in members] if joint else []
         if exs:
             in_groups = [t for t in trajectories if t.group_id in members]
-            segs += example_segments(exs, _af_groups(in_groups, cfg), cfg, row_len, first_index=len(trajs),
-                                     trunks=dict(zip(idx, segs)))
-        if any(s.pg_weight.any() or s.target_weight.any() or s.obs_weight.any() for s in segs):
-            out.append(_pack(segs, step_terms, groups, len(trajs), len(exs), row_len, rows_per_micro))
+            segs += example_segments(exs, _forecast_groups(in_groups, cfg), step_terms, cfg, row_len,
+                                     first_index=len(trajs), trunks=dict(zip(idx, segs)))
+        if any(w.any() for s in segs for w in s.weights.values()):
+            out.append(_minibatch(segs, step_terms, groups, len(trajs), len(exs), row_len, rows_per_micro))
     if not joint and examples:
-        segs = example_segments(examples, _af_groups(trajectories, cfg), cfg, row_len)
+        segs = example_segments(examples, _forecast_groups(trajectories, cfg), target_terms, cfg, row_len)
         all_groups = tuple(dict.fromkeys(e.group_id for e in examples))
-        out.append(_pack(segs, ("af",), all_groups, 0, len(examples), row_len, rows_per_micro))
+        out.append(_minibatch(segs, target_terms, all_groups, 0, len(examples), row_len, rows_per_micro))
+    groups = [t.group_id for t in trajectories]
+    stats["success_group_frac"] = adv_lib.groups_with_success(_rewards(trajectories), groups) / max(1, len(set(groups)))
     stats["minibatches"] = float(len(out))
     stats["truncated_tokens"] = float(sum(m.stats.truncated_tokens for m in out))
     stats["truncated_sequences"] = float(sum(m.stats.truncated_sequences for m in out))

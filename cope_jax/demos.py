@@ -3,7 +3,8 @@
 A family that can solve its own tasks exposes `expert_actions(task_id) -> list[str]` on its static
 side (the built-in environment does). The expert's actions are played through the environment pool,
 so observations are the real ones, and each episode is laid out by the same code as a sampled
-rollout (`scripted_trajectory`); the replies are written in the family's `reply_format`.
+rollout (`scripted_trajectory`); the replies are written in the family's `reply_format`. The same
+play (`play_actions`) gives the text the demo's tokenizer is trained on (`cope_jax/build.py`).
 
 Recovery (`mistakes` > 0, DART-style): before each expert action, with that probability, a broken
 copy of it is played first (its last word dropped: `go`, `take`, `put cup in`), which the
@@ -24,7 +25,8 @@ from __future__ import annotations
 import random
 from typing import Sequence
 
-from cope_jax.rollout import RolloutRunner, scripted_trajectory
+from cope_jax.episode import scripted_trajectory
+from cope_jax.rollout import RolloutRunner
 from cope_jax.trajectory import Trajectory
 
 
@@ -65,9 +67,31 @@ def expert_trajectories(runner: RolloutRunner, task_ids: Sequence[int], *, max_r
                 extra += 1
             plan.append(a)
         plans[i], broken[i] = plan[:max_rounds], slips
-    record = {i: {"obs": [], "infos": [], "score": 0.0, "success": False, "next": 0} for i in plans}
+    played = play_actions(pool, runner.family_name, [(t, plans[i]) for i, t in enumerate(task_ids)],
+                          max_rounds=max_rounds, timeout=timeout)
+    out = []
+    invalid = family.invalid_action_message
     for i, t in enumerate(task_ids):
-        pool.submit_reset(("demo", i), runner.family_name, int(t), max_steps=max_rounds)
+        rec = played[i]
+        # a broken action the environment accepted changed the state the expert planned from
+        clean = all(j + 1 >= len(rec["obs"]) or rec["obs"][j + 1] == invalid for j in broken[i])
+        if rec["success"] and clean:
+            replies = [reply_format.format(action=a) for a in plans[i][:rec["played"]]]
+            out.append(scripted_trajectory(runner.layout, t, i, rec["obs"], rec["infos"], replies,
+                                           score=rec["score"], success=True, context_only=sorted(broken[i])))
+    return out
+
+
+def play_actions(pool, family_name: str, plans: Sequence[tuple[int, Sequence[str]]], *,
+                 max_rounds: int | None, timeout: float = 120.0) -> list[dict]:
+    """Plays each (task id, actions) through the pool, all episodes in flight at once, until the
+    environment ends it or its actions run out. Per episode, in plan order: `obs` (the reset's
+    observation, then one per action played), `infos`, the last `score` and `success`, `played`
+    (how many actions) and `error` (the pool's, None when every call succeeded)."""
+    record = [{"obs": [], "infos": [], "score": 0.0, "success": False, "played": 0, "error": None}
+              for _ in plans]
+    for i, (t, _) in enumerate(plans):
+        pool.submit_reset(("demo", i), family_name, int(t), max_rounds=max_rounds)
     live = len(plans)
     while live:
         results = pool.poll(timeout)
@@ -75,25 +99,15 @@ def expert_trajectories(runner: RolloutRunner, task_ids: Sequence[int], *, max_r
             raise TimeoutError(f"expert demonstrations: no environment result within {timeout} s")
         for r in results:
             i = r.episode[1]
-            rec = record[i]
+            rec, actions = record[i], plans[i][1]
             rec["obs"].append(r.observation)
             rec["infos"].append(dict(r.info))
-            rec["score"], rec["success"] = float(r.score), bool(r.success)
-            if r.done or not r.ok or rec["next"] >= len(plans[i]):
+            rec["score"], rec["success"], rec["error"] = float(r.score), bool(r.success), r.error
+            if r.done or not r.ok or rec["played"] >= len(actions):
                 live -= 1
                 if not r.done and r.ok:
                     pool.release(r.episode)
                 continue
-            pool.submit_step(r.episode, plans[i][rec["next"]])
-            rec["next"] += 1
-    out = []
-    invalid = family.invalid_action_message
-    for i, t in enumerate(task_ids):
-        rec = record[i]
-        # a broken action the environment accepted changed the state the expert planned from
-        clean = all(j + 1 >= len(rec["obs"]) or rec["obs"][j + 1] == invalid for j in broken[i])
-        if rec["success"] and clean:
-            replies = [reply_format.format(action=a) for a in plans[i][:rec["next"]]]
-            out.append(scripted_trajectory(runner, t, i, rec["obs"], rec["infos"], replies,
-                                           score=rec["score"], success=True, context_only=sorted(broken[i])))
-    return out
+            pool.submit_step(r.episode, actions[rec["played"]])
+            rec["played"] += 1
+    return record

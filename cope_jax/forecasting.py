@@ -6,39 +6,48 @@ history is never re-tokenized, and examples of one episode share it (`prefix_len
 packs their histories once, as one tree; `cope_jax/batching.py`). What follows depends on the kind:
 
 - 'plan' (CoPE): a user turn with the planning request of appendix C.6, then the realized actions
-  a_t .. a_{t+K} as the target. ReAct layout: one assistant turn, one action per line. tau2 layout:
-  one assistant turn per action, separated by `Next action?` user turns that carry no loss.
+  a_t .. a_{t+K} as the target. ReAct layout: one assistant turn, one action per line.
+  tool_calling layout (tau2): one assistant turn per action, separated by `Next action?` user turns
+  that carry no loss.
 - 'sft' (`sft_success`): no planning request; the target is the assistant turn the policy actually
   sampled at step t (its exact ids, including `<|im_end|>`).
 
 Decisions where the paper is silent (kept in one place, here):
 - Target actions are the parsed action strings (`Trajectory.actions`). An unparseable step (None)
-  has no action string and is never a target; with `skip_invalid`, neither is an action whose next
-  observation is the environment's invalid-action message. Examples are built only for steps t whose
-  own action a_t is a target (the request says "starting with the action you take right now"); the
-  window a_t .. a_{t+K} is clamped at the episode end and filtered, never padded, and `{k}` is the
-  number of targets that remain.
+  has no action string and is never a target. Without `skip_invalid`, examples are built only for
+  steps t whose own action a_t is a target (the request says "starting with the action you take
+  right now"); the window a_t .. a_{t+K} is clamped at the episode end and filtered, never padded,
+  and `{k}` is the number of targets that remain.
+- `skip_invalid` (the invalid-action filter of the paper's section 8, SPEC 3): an action the
+  environment rejected (`Trajectory.rejected`, from its step info) is no target; each rejected
+  target is *replaced by the next valid action of the episode*: the window from step t is the first
+  K+1 valid actions at or after t, so it keeps K+1 targets where the episode has them, and a step
+  whose own action was rejected still gets its example, with the refilled target (K=0: the next
+  valid action). A step with no valid action at or after it has none. For 'sft' examples the target
+  is the step's own sampled turn, which a refill would change into another step's: rejected steps
+  are dropped there.
 - A target turn is laid out as the sampler would produce it: the generation prompt
   `<|im_start|>assistant\\n`, then the target text encoded on its own, then `<|im_end|>`; the loss
   covers the text and the `<|im_end|>`.
 - Weight: 1 / max(1, |S_x|) with |S_x| the number of successful rollouts in the trajectory's group
-  among the trajectories passed in (one train batch).
+  among the trajectories passed in (one train batch); `group_normalized=False` (the paper's
+  ablation, section 8) gives every example weight 1, so a group's share grows with its successes.
 """
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from typing import Sequence
 
 import numpy as np
 
+from cope_jax.advantages import forecast_weights
 from cope_jax.chat import ChatFormat
 from cope_jax.trajectory import ForecastExample, Trajectory
 
 PLAN_REQUEST = {
     "react": ("Plan ahead: list the next {k} actions you will take to make progress on the task, "
               "starting with the action you take right now, one action per line."),
-    "tau2": ("Plan ahead: give the next {k} actions you will take to make progress on the task, one "
+    "tool_calling": ("Plan ahead: give the next {k} actions you will take to make progress on the task, one "
              "action per reply, starting with the action you take right now. Reply with the action only."),
 }
 NEXT_ACTION = "Next action?"
@@ -50,10 +59,10 @@ TOOL_CALL_OPEN = "<tool_call>"
 class ForecastConfig:
     kind: str = "plan"  # 'plan' | 'sft'
     horizon: int = 2  # K: targets a_t .. a_{t+K}
-    layout: str = "react"  # 'react' | 'tau2'
-    skip_invalid: bool = False
+    layout: str = "react"  # the family's chat_layout: 'react' | 'tool_calling'
+    skip_invalid: bool = False  # refill rejected targets with the next valid action (module docstring)
     skip_no_call: bool = False  # tau2: drop an example when none of its targets calls a tool
-    invalid_message: str | None = None  # the environment's invalid-action observation
+    group_normalized: bool = True  # weight 1/max(1,|S_x|); False: 1 (ablation)
 
     def __post_init__(self):
         if self.kind not in ("plan", "sft"):
@@ -62,40 +71,33 @@ class ForecastConfig:
             raise ValueError(f"forecast layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.horizon < 0:
             raise ValueError(f"horizon K must be >= 0, got {self.horizon}")
-        if self.skip_invalid and self.invalid_message is None:
-            raise ValueError("skip_invalid needs the environment's invalid_message")
-
-
-def group_success_counts(trajectories: Sequence[Trajectory]) -> Counter:
-    """|S_x| per group id."""
-    return Counter(t.group_id for t in trajectories if t.success)
 
 
 def build_examples(trajectories: Sequence[Trajectory], chat: ChatFormat,
                    cfg: ForecastConfig) -> list[ForecastExample]:
     """All examples of one train batch; trajectory indices refer to `trajectories`."""
-    successes = group_success_counts(trajectories)
+    weights = forecast_weights([t.success for t in trajectories], [t.group_id for t in trajectories])
+    if not cfg.group_normalized:
+        weights = np.ones(len(trajectories))
     out: list[ForecastExample] = []
-    for index, traj in enumerate(trajectories):
+    for index, (traj, weight) in enumerate(zip(trajectories, weights)):
         if not traj.success:
             continue
-        weight = 1.0 / max(1, successes[traj.group_id])
-        keep = _target_steps(traj, cfg)
-        for t in range(traj.num_steps):
-            if not keep[t]:
+        windows = target_windows(traj, cfg)
+        for t, window in enumerate(windows):
+            if not window:
                 continue
             if cfg.kind == "sft":
                 tokens, mask = _sft_example(traj, t, chat)
                 # the branch starts one token before the target, which it then predicts
                 shared = int(traj.action_spans[t][0]) - 1
             else:
-                window = [j for j in range(t, min(t + cfg.horizon + 1, traj.num_steps)) if keep[j]]
                 targets = [traj.actions[j] for j in window]
                 if cfg.skip_no_call and not any(TOOL_CALL_OPEN in a for a in targets):
                     continue
                 tokens, mask = _plan_example(traj, t, targets, chat, cfg.layout)
                 shared = len(history_prefix(traj, t, chat))
-            out.append(ForecastExample(tokens=tokens, target_mask=mask, weight=weight, group_id=traj.group_id,
+            out.append(ForecastExample(tokens=tokens, target_mask=mask, weight=float(weight), group_id=traj.group_id,
                                        source=index, step=t, kind=cfg.kind, prefix_len=max(shared, 0)))
     return out
 
@@ -108,16 +110,17 @@ def history_prefix(traj: Trajectory, t: int, chat: ChatFormat) -> np.ndarray:
     return traj.tokens[:start]
 
 
-def _target_steps(traj: Trajectory, cfg: ForecastConfig) -> list[bool]:
-    keep = [a is not None for a in traj.actions[:traj.num_steps]]
-    keep += [False] * (traj.num_steps - len(keep))
-    if cfg.skip_invalid:
-        # observation o_{j+1} answers action a_j
-        for j in range(traj.num_steps):
-            nxt = traj.observations[j + 1] if j + 1 < len(traj.observations) else None
-            if nxt is not None and nxt.strip() == cfg.invalid_message.strip():
-                keep[j] = False
-    return keep
+def target_windows(traj: Trajectory, cfg: ForecastConfig) -> list[list[int]]:
+    """Per step t, the steps whose actions are its example's targets ([]: no example at t)."""
+    n = traj.num_steps
+    parsed = [j < len(traj.actions) and traj.actions[j] is not None for j in range(n)]
+    if not cfg.skip_invalid:
+        return [[j for j in range(t, min(t + cfg.horizon + 1, n)) if parsed[j]] if parsed[t] else []
+                for t in range(n)]
+    valid = [j for j in range(n) if parsed[j] and not traj.was_rejected(j)]
+    if cfg.kind == "sft":
+        return [[t] if t in valid else [] for t in range(n)]
+    return [[j for j in valid if j >= t][:cfg.horizon + 1] for t in range(n)]
 
 
 def _assistant_target(text: str, chat: ChatFormat) -> tuple[list[int], list[bool]]:

@@ -60,19 +60,6 @@ def sequence_token_weights(counts, mode: str, norm_length: float | None = None):
     return w.astype(xp.float32)
 
 
-def aggregate(values, mask, seq_index, num_seqs: int, mode: str, norm_length: float | None = None):
-    """Exact aggregation of token values over one whole batch (no micro-batching).
-
-    values, mask, seq_index: same shape; seq_index in [0, num_seqs) names each token's sequence.
-    Equals `sum(values * w)` with the per-token weights of `sequence_token_weights`.
-    """
-    mask = jnp.asarray(mask, jnp.float32)
-    idx = jnp.clip(jnp.asarray(seq_index), 0, num_seqs - 1).reshape(-1)
-    counts = jnp.zeros(num_seqs, jnp.float32).at[idx].add(mask.reshape(-1))
-    w = sequence_token_weights(counts, mode, norm_length)[idx].reshape(mask.shape) * mask
-    return jnp.sum(w * values)
-
-
 def forecast_token_weights(example_weight, target_counts, num_groups: int,
                            normalization: str = "success_groups"):
     """Per-token weight of each forecasting example's target tokens (SPEC 3).
@@ -156,12 +143,20 @@ RATIOS = {  # finished metric -> (numerator, denominator) of additive sums
     "pg_clip_frac": ("pg_clipped", "pg_tokens"),
     "pg_clip_frac_dual": ("pg_clipped_dual", "pg_tokens"),
     "ppo_kl": ("ppo_kl_sum", "pg_tokens"),
+    "sampler_drift_mean": ("sampler_drift_sum", "sampler_drift_tokens"),
 }
+_PARTS = {"pg_clipped", "pg_clipped_dual", "ppo_kl_sum", "sampler_drift_sum", "sampler_drift_tokens"}
+
+
+def accumulate_metrics(sums: dict, metrics: dict) -> dict:
+    """Metrics of one more micro-batch added to the running ones: `*_max` by maximum, the rest
+    (additive sums and counts) by sum."""
+    return {k: jnp.maximum(v, metrics[k]) if k.endswith("_max") else v + metrics[k] for k, v in sums.items()}
 
 
 def finalize_metrics(sums: dict) -> dict:
     """Additive metric sums (over micro-batches) -> reported metrics, ratios formed once."""
-    out = {k: v for k, v in sums.items() if k not in {"pg_clipped", "pg_clipped_dual", "ppo_kl_sum"}}
+    out = {k: v for k, v in sums.items() if k not in _PARTS}
     for name, (num, den) in RATIOS.items():
         if num in sums and den in sums:
             out[name] = sums[num] / jnp.maximum(sums[den], 1.0)

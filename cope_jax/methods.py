@@ -1,28 +1,139 @@
-"""What is optimized: the method registry (`METHODS`, one table) and the loss hyperparameters.
+"""What is optimized: the loss-term table (`TERMS`), the method registry (`METHODS`) and the loss
+hyperparameters (`LossConfig`).
 
-A method is a set of loss terms plus how its inputs are built:
+A loss term is one `Term` record: which tokens carry its weight, the host function that turns their
+counts into per-token weights (exact aggregation over the whole mini-batch: `cope_jax/losses.py`),
+the device function of its loss, its coefficient in the minimized objective, the metrics it
+reports and the inputs it needs beyond the log-probs. `cope_jax/batching.py` gives a packed batch
+one weight array per term in use; `cope_jax/train_step.py` sums `coefficient * loss` over them.
 
-  term      tokens it reads                         weight channel   coefficient
-  pg        action tokens of trajectories           pg_weight        1
-  kl        action tokens of trajectories           pg_weight        kl_coef
-  entropy   action tokens of trajectories           pg_weight        -entropy_coef
-  af        target tokens of forecasting examples   target_weight    af_coef (lambda)
-  rft       action tokens of successful rollouts    target_weight    rft_coef
-  echo      observation tokens of all trajectories  obs_weight       echo_coef
+  term      tokens                                   weights                 coefficient
+  pg        action tokens of trajectory rows         aggregation mode        1
+  kl        action tokens of trajectory rows         aggregation mode        kl_coef
+  entropy   action tokens of trajectory rows         aggregation mode        -entropy_coef
+  af        target tokens of forecasting examples    1/max(1,|S_x|) / groups af_coef (lambda)
+  rft       action tokens of trajectory rows         aggregation mode        rft_coef
+  echo      observation tokens of trajectory rows    token mean              echo_coef
 
-`advantage` picks the advantage estimator (`cope_jax/advantages.py`), `forecast` and `horizon` tell
-`cope_jax/forecasting.py` which examples to build ('plan': history up to o_t + planning request ->
-the K+1 realized actions; 'sft': history up to o_t -> the full assistant turn), `trajectories`
-which rollouts enter as trajectory sequences. Nothing else in the code branches on the method name.
+A method is a list of terms plus how their inputs are built: `advantage` picks the estimator
+(`cope_jax/advantages.py`), `forecast_kind` and `horizon` tell `cope_jax/forecasting.py` which examples
+to build ('plan': history up to o_t + planning request -> the K+1 realized actions; 'sft': history
+up to o_t -> the full assistant turn), `trajectories` which rollouts enter as trajectory rows.
+Nothing else in the code branches on a method's or a term's name. docs/architecture.md walks
+through adding a baseline.
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
+
+import numpy as np
 
 from cope_jax import losses
 
-TERMS = ("pg", "kl", "entropy", "af", "rft", "echo")
-POLICY_TERMS = ("pg", "kl", "entropy")  # aggregated with the configured mode over action tokens
+TOKEN_KINDS = ("action", "observation", "target")   # Term.tokens
+NEEDS = ("old_logp", "ref_logp", "entropy")          # Term.needs
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightInputs:
+    """What a term's host weight function reads for the S sequences of one mini-batch.
+
+    counts [S]: the term's loss tokens per sequence (after truncation, first token excluded).
+    example_weight [S]: each forecasting example's 1/max(1,|S_x|) (target terms only).
+    num_groups: the forecasting normalizer's group count (target terms only).
+    """
+
+    counts: np.ndarray
+    example_weight: np.ndarray | None = None
+    num_groups: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Term:
+    """One loss term (module docstring).
+
+    weights(inputs: WeightInputs, cfg: LossConfig) -> [S] float32: per-token weight of each sequence.
+    loss(logp, entropy, weight, batch, cfg) -> (value, additive metrics): logp / entropy / weight
+        [rows, L] in token coordinates; batch the micro-batch (`PackedBatch`) for the other inputs.
+    coefficient(cfg) -> float: sign and scale in the minimized objective; 0 switches the term off.
+    metrics: prefixes of the metrics the loss reports (shown only while the term is in use).
+    needs: inputs besides logp: 'old_logp', 'ref_logp' (a forward pass each), 'entropy'.
+    """
+
+    name: str
+    tokens: str
+    weights: Callable
+    loss: Callable
+    coefficient: Callable
+    metrics: tuple[str, ...]
+    needs: frozenset = frozenset()
+
+    def __post_init__(self):
+        if self.tokens not in TOKEN_KINDS:
+            raise ValueError(f"term {self.name}: tokens must be one of {TOKEN_KINDS}")
+        if set(self.needs) - set(NEEDS):
+            raise ValueError(f"term {self.name}: unknown needs {sorted(set(self.needs) - set(NEEDS))}")
+
+
+def _sequence_weights(inputs: WeightInputs, cfg) -> np.ndarray:
+    return losses.sequence_token_weights(inputs.counts, cfg.aggregation, cfg.norm_length)
+
+
+def _token_mean(inputs: WeightInputs, cfg) -> np.ndarray:
+    return losses.sequence_token_weights(inputs.counts, "token-mean")
+
+
+def _forecast_weights(inputs: WeightInputs, cfg) -> np.ndarray:
+    return losses.forecast_token_weights(inputs.example_weight, inputs.counts, inputs.num_groups,
+                                         cfg.af_normalization)
+
+
+TERMS: dict[str, Term] = {t.name: t for t in [
+    Term("pg", "action", _sequence_weights,
+         lambda logp, ent, w, b, cfg: losses.clipped_policy_loss(
+             logp, b.old_logp, b.advantage, w, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+             dual_clip=cfg.dual_clip),
+         lambda cfg: 1.0, ("pg_", "ppo_kl", "sampler_drift"), frozenset({"old_logp"})),
+    Term("kl", "action", _sequence_weights,
+         lambda logp, ent, w, b, cfg: losses.low_var_kl(logp, b.ref_logp, w),
+         lambda cfg: cfg.kl_coef, ("kl",), frozenset({"ref_logp"})),
+    Term("entropy", "action", _sequence_weights,
+         lambda logp, ent, w, b, cfg: losses.entropy_bonus(ent, w),
+         lambda cfg: -cfg.entropy_coef, ("entropy",), frozenset({"entropy"})),
+    Term("af", "target", _forecast_weights,
+         lambda logp, ent, w, b, cfg: losses.weighted_nll(logp, w, "af"),
+         lambda cfg: cfg.af_coef, ("af_",)),
+    Term("rft", "action", _sequence_weights,
+         lambda logp, ent, w, b, cfg: losses.weighted_nll(logp, w, "rft"),
+         lambda cfg: cfg.rft_coef, ("rft_",)),
+    Term("echo", "observation", _token_mean,
+         lambda logp, ent, w, b, cfg: losses.weighted_nll(logp, w, "echo"),
+         lambda cfg: cfg.echo_coef, ("echo_",)),
+]}
+TERM_ORDER = tuple(TERMS)
+
+
+def ordered(terms) -> tuple[str, ...]:
+    """`terms` in table order (unknown names refused)."""
+    unknown = set(terms) - set(TERMS)
+    if unknown:
+        raise ValueError(f"unknown loss terms {sorted(unknown)}; expected some of {TERM_ORDER}")
+    return tuple(t for t in TERM_ORDER if t in terms)
+
+
+def needing(terms, what: str) -> tuple[str, ...]:
+    """The terms among `terms` that need `what` ('old_logp', 'ref_logp', 'entropy')."""
+    return tuple(t for t in ordered(terms) if what in TERMS[t].needs)
+
+
+def reported(metric: str, terms) -> bool:
+    """Whether a step metric is shown for a step over `terms`: a term's own metrics only while
+    it is in use; the rest (loss, tokens, grad_norm) always."""
+    owners = [t for t, term in TERMS.items() if metric.startswith(term.metrics)]
+    return not owners or any(t in terms for t in owners)
+
+
 ADVANTAGES = ("grpo", "progpo")
 FORECAST_KINDS = ("plan", "sft")
 AF_MODES = ("joint", "sequential")
@@ -30,45 +141,46 @@ AF_MODES = ("joint", "sequential")
 
 @dataclasses.dataclass(frozen=True)
 class MethodSpec:
+    """A registered method: its loss terms (`TERMS` names) and how their inputs are built."""
+
     name: str
     terms: tuple[str, ...]
     advantage: str | None = "grpo"   # None: no policy-gradient term
-    forecast: str | None = None      # forecasting example kind, None: no examples
+    forecast_kind: str | None = None  # forecasting example kind, None: no examples
     horizon: int | None = None       # K: targets a_t .. a_{t+K}
     trajectories: str = "all"        # 'all' | 'success': rollouts that enter as trajectory rows
 
     def __post_init__(self):
-        unknown = set(self.terms) - set(TERMS)
-        if unknown:
-            raise ValueError(f"{self.name}: unknown loss terms {sorted(unknown)}")
+        if ordered(self.terms) != tuple(self.terms):
+            raise ValueError(f"{self.name}: terms must be given in table order {TERM_ORDER}")
         if ("pg" in self.terms) != (self.advantage is not None):
             raise ValueError(f"{self.name}: an advantage estimator is needed exactly when 'pg' is a term")
         if self.advantage not in (None, *ADVANTAGES):
             raise ValueError(f"{self.name}: unknown advantage {self.advantage!r}")
-        if ("af" in self.terms) != (self.forecast is not None):
+        if ("af" in self.terms) != (self.forecast_kind is not None):
             raise ValueError(f"{self.name}: forecasting examples are needed exactly when 'af' is a term")
-        if self.forecast not in (None, *FORECAST_KINDS):
-            raise ValueError(f"{self.name}: unknown forecast kind {self.forecast!r}")
-        if self.forecast is not None and (self.horizon is None or self.horizon < 0):
+        if self.forecast_kind not in (None, *FORECAST_KINDS):
+            raise ValueError(f"{self.name}: unknown forecast kind {self.forecast_kind!r}")
+        if self.forecast_kind is not None and (self.horizon is None or self.horizon < 0):
             raise ValueError(f"{self.name}: forecasting needs a horizon K >= 0")
         if self.trajectories not in ("all", "success"):
             raise ValueError(f"{self.name}: trajectories must be 'all' or 'success'")
 
-    def only(self, terms) -> tuple[str, ...]:
-        """This method's terms that are in `terms` (table order)."""
-        return tuple(t for t in self.terms if t in terms)
 
-
-_POLICY = POLICY_TERMS
+_POLICY = ("pg", "kl", "entropy")
 METHODS: dict[str, MethodSpec] = {m.name: m for m in [
     MethodSpec("grpo", _POLICY),
-    MethodSpec("cope", _POLICY + ("af",), forecast="plan", horizon=2),
-    MethodSpec("cope_k0", _POLICY + ("af",), forecast="plan", horizon=0),
-    MethodSpec("sft_success", _POLICY + ("af",), forecast="sft", horizon=0),
+    MethodSpec("cope", _POLICY + ("af",), forecast_kind="plan", horizon=2),
+    MethodSpec("cope_k0", _POLICY + ("af",), forecast_kind="plan", horizon=0),
+    MethodSpec("sft_success", _POLICY + ("af",), forecast_kind="sft", horizon=0),
     MethodSpec("echo", _POLICY + ("echo",)),
     MethodSpec("rft", ("rft",), advantage=None, trajectories="success"),
     MethodSpec("progpo", _POLICY, advantage="progpo"),
-    MethodSpec("cope+progpo", _POLICY + ("af",), advantage="progpo", forecast="plan", horizon=2),
+    MethodSpec("cope+progpo", _POLICY + ("af",), advantage="progpo", forecast_kind="plan", horizon=2),
+    # the supervised warm start on expert demonstrations (all successful): imitation of their actions
+    # plus, with `warmstart.af_examples`, forecasting examples in the planning format
+    MethodSpec("warmstart", ("af", "rft"), advantage=None, forecast_kind="plan", horizon=2,
+               trajectories="success"),
 ]}
 
 
@@ -78,7 +190,7 @@ def get_method(name: str, horizon: int | None = None) -> MethodSpec:
         raise ValueError(f"unknown method {name!r}; expected one of {sorted(METHODS)}")
     spec = METHODS[name]
     if horizon is not None:
-        if spec.forecast != "plan":
+        if spec.forecast_kind != "plan":
             raise ValueError(f"method {name!r} has no forecasting horizon to override")
         spec = dataclasses.replace(spec, horizon=int(horizon))
     return spec
@@ -103,6 +215,9 @@ class LossConfig:
     echo_coef: float = 0.01
     progpo_scale: float = 0.3
     logits_chunk_tokens: int | None = 512   # tokens per logits chunk; None = full logits (benchmarks)
+    # terms whose own gradient norm each step reports (`grad_norm_<term>`, before clipping): one more
+    # forward and backward pass each, so only when asked
+    grad_norm_terms: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.aggregation not in losses.AGGREGATIONS:
@@ -117,27 +232,26 @@ class LossConfig:
             raise ValueError("temperature must be > 0")
         if self.logits_chunk_tokens is not None and self.logits_chunk_tokens < 1:
             raise ValueError("logits_chunk_tokens must be >= 1")
+        object.__setattr__(self, "grad_norm_terms", ordered(self.grad_norm_terms))
 
     def coefficient(self, term: str) -> float:
-        """Sign and scale of each term in the minimized objective."""
-        return {"pg": 1.0, "kl": self.kl_coef, "entropy": -self.entropy_coef, "af": self.af_coef,
-                "rft": self.rft_coef, "echo": self.echo_coef}[term]
+        """Sign and scale of a term in the minimized objective (`Term.coefficient`)."""
+        return float(TERMS[term].coefficient(self))
 
     def active_terms(self, terms) -> tuple[str, ...]:
-        """`terms` without those switched off by a zero coefficient whose inputs are then never
-        computed: kl (no reference log-probs) and entropy (no entropy pass). Their metrics would
-        report a KL against zeros and an entropy of 0."""
-        off = {"kl"} if self.kl_coef == 0 else set()
-        off |= {"entropy"} if self.entropy_coef == 0 else set()
-        return tuple(t for t in terms if t not in off)
+        """`terms` (table order) without those a zero coefficient switches off: their weights,
+        inputs (reference log-probs, the entropy pass, forecasting examples) and metrics are never
+        computed. (Kept, a zero-coefficient KL would report a KL against zeros.)"""
+        return tuple(t for t in ordered(terms) if self.coefficient(t) != 0)
 
     def coefficients(self, terms) -> dict[str, float]:
-        """{term: coefficient} over all TERMS, 0 for terms not in `terms` (a runtime input of the
-        step, so term sets and coefficient schedules share one compiled program)."""
-        return {t: self.coefficient(t) if t in terms else 0.0 for t in TERMS}
+        """{term: coefficient} of the active `terms`: a runtime input of the step, so coefficient
+        schedules share one compiled program."""
+        return {t: self.coefficient(t) for t in self.active_terms(terms)}
 
     def device_part(self) -> "LossConfig":
         """Only the fields the jitted step reads (clipping, temperature, chunking); the rest reset to
         defaults, so configs that differ in host-side weighting or coefficients share executables."""
         return LossConfig(clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip,
-                          temperature=self.temperature, logits_chunk_tokens=self.logits_chunk_tokens)
+                          temperature=self.temperature, logits_chunk_tokens=self.logits_chunk_tokens,
+                          grad_norm_terms=self.grad_norm_terms)

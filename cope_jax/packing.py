@@ -38,9 +38,6 @@ TOKEN_FIELDS: dict[str, type] = {
     "ref_logp": np.float32,
     "sampler_logp": np.float32,
     "advantage": np.float32,
-    "pg_weight": np.float32,
-    "target_weight": np.float32,
-    "obs_weight": np.float32,
 }
 
 
@@ -49,17 +46,17 @@ class Segment:
     """One sequence with its per-token training inputs (numpy, [T] each).
 
     advantage: the trajectory's advantage on its action tokens (0 elsewhere).
-    pg_weight / target_weight / obs_weight: aggregation weight of each token in the policy terms,
-        the target cross-entropy (AF / RFT) and ECHO's observation cross-entropy (0 = no loss).
+    weights: {loss term: [T] float32}, each token's weight in that term's loss (`cope_jax/methods.py`;
+        0 = no loss); a term the segment has no tokens of is absent (packed as zeros).
     old_logp / ref_logp: logprobs under the rollout and reference policies (filled by the
         forward-only functions of `cope_jax/train_step.py` after packing, or given directly).
     branch_ids / positions: the tree layout (module docstring); default one branch, 0, 1, ...
-    index: the sequence's index in its mini-batch (-> `traj_index`).
+    seq_index: the sequence's index in its mini-batch (the packed batch's `seq_index`).
     truncated: tokens already cut from the left.
     """
 
     tokens: np.ndarray
-    index: int
+    seq_index: int
     positions: np.ndarray | None = None
     branch_ids: np.ndarray | None = None
     action_mask: np.ndarray | None = None
@@ -69,26 +66,35 @@ class Segment:
     ref_logp: np.ndarray | None = None
     sampler_logp: np.ndarray | None = None
     advantage: np.ndarray | None = None
-    pg_weight: np.ndarray | None = None
-    target_weight: np.ndarray | None = None
-    obs_weight: np.ndarray | None = None
+    weights: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     truncated: int = 0
 
     def __post_init__(self):
         n = len(np.asarray(self.tokens).reshape(-1))
         for name, dtype in TOKEN_FIELDS.items():
             value = getattr(self, name)
-            arr = np.zeros(n, dtype) if value is None else np.asarray(value).astype(dtype, copy=False)
-            if arr.shape != (n,):
-                raise ValueError(f"segment {self.index}: {name} has shape {arr.shape}, tokens have ({n},)")
+            arr = np.zeros(n, dtype) if value is None else _token_array(self.seq_index, name, value, n, dtype)
             setattr(self, name, arr)
+        self.weights = {k: _token_array(self.seq_index, f"weights[{k}]", w, n, np.float32)
+                        for k, w in self.weights.items()}
         positions = np.arange(n) if self.positions is None else np.asarray(self.positions)
         if positions.shape != (n,):
-            raise ValueError(f"segment {self.index}: positions have shape {positions.shape}, tokens have ({n},)")
+            raise ValueError(f"segment {self.seq_index}: positions have shape {positions.shape}, tokens have ({n},)")
         self.positions = positions.astype(np.int32, copy=False)
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def weight(self, term: str) -> np.ndarray:
+        """[T] weights of `term` (zeros if the segment has none)."""
+        return self.weights.get(term, np.zeros(len(self), np.float32))
+
+
+def _token_array(index: int, name: str, value, n: int, dtype) -> np.ndarray:
+    arr = np.asarray(value).astype(dtype, copy=False)
+    if arr.shape != (n,):
+        raise ValueError(f"segment {index}: {name} has shape {arr.shape}, tokens have ({n},)")
+    return arr
 
 
 def truncate_left(segment: Segment, max_len: int) -> Segment:
@@ -98,11 +104,12 @@ def truncate_left(segment: Segment, max_len: int) -> Segment:
     if n <= max_len:
         return segment
     if segment.branch_ids.any():
-        raise ValueError(f"segment {segment.index} has branches and is longer than {max_len} tokens; "
+        raise ValueError(f"segment {segment.seq_index} has branches and is longer than {max_len} tokens; "
                          "tree segments must be built to fit a row")
     cut = n - max_len
     fields = {name: getattr(segment, name)[cut:].copy() for name in TOKEN_FIELDS}
-    return Segment(index=segment.index, truncated=segment.truncated + cut,
+    fields["weights"] = {k: w[cut:].copy() for k, w in segment.weights.items()}
+    return Segment(seq_index=segment.seq_index, truncated=segment.truncated + cut,
                    positions=segment.positions[cut:] - segment.positions[cut], **fields)
 
 
@@ -112,7 +119,8 @@ class PackedBatch:
 
     segment_ids: int32, 1.. per segment within a row, 0 = padding. positions: int32 RoPE positions.
     branch_ids: int32, 0 = a segment's trunk, 1.. its branches (module docstring).
-    traj_index: int32 index of the segment's sequence in the mini-batch, -1 on padding.
+    seq_index: int32 index of the segment's sequence in the mini-batch, -1 on padding.
+    weights: {loss term: weights}, one array per term the batch optimizes (`terms`).
     The rest as in `Segment`.
     """
 
@@ -120,7 +128,7 @@ class PackedBatch:
     branch_ids: jax.Array
     segment_ids: jax.Array
     positions: jax.Array
-    traj_index: jax.Array
+    seq_index: jax.Array
     action_mask: jax.Array
     obs_mask: jax.Array
     target_mask: jax.Array
@@ -128,9 +136,7 @@ class PackedBatch:
     ref_logp: jax.Array
     sampler_logp: jax.Array
     advantage: jax.Array
-    pg_weight: jax.Array
-    target_weight: jax.Array
-    obs_weight: jax.Array
+    weights: dict[str, jax.Array]
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -182,22 +188,27 @@ def first_fit_decreasing(lengths, capacity: int) -> list[list[int]]:
     return bins
 
 
-def pack(segments: list[Segment], row_len: int, *, rows_multiple: int = 1,
+def pack(segments: list[Segment], row_len: int, *, terms, rows_multiple: int = 1,
          min_rows: int = 0) -> tuple[PackedBatch, PackStats]:
-    """Segments -> numpy PackedBatch [rows, row_len] by first-fit-decreasing.
+    """Segments -> numpy PackedBatch [rows, row_len] by first-fit-decreasing, with one weight array
+    per loss term in `terms` (a segment's weights of other terms are refused).
 
     rows is rounded up to a multiple of `rows_multiple` (and to at least `min_rows`) with padding
     rows, so the batch splits evenly into micro-batches / over the data-parallel devices.
     """
     if row_len < 1 or rows_multiple < 1:
         raise ValueError("row_len and rows_multiple must be >= 1")
+    stray = {k for s in segments for k in s.weights} - set(terms)
+    if stray:
+        raise ValueError(f"segments carry weights of terms {sorted(stray)} outside the packed terms {tuple(terms)}")
     bins = first_fit_decreasing([len(s) for s in segments], row_len)
     rows = max(len(bins), min_rows, 1)
     rows = -(-rows // rows_multiple) * rows_multiple
     out = {name: np.zeros((rows, row_len), dtype) for name, dtype in TOKEN_FIELDS.items()}
     out["segment_ids"] = np.zeros((rows, row_len), np.int32)
     out["positions"] = np.zeros((rows, row_len), np.int32)
-    out["traj_index"] = np.full((rows, row_len), -1, np.int32)
+    out["seq_index"] = np.full((rows, row_len), -1, np.int32)
+    out["weights"] = {t: np.zeros((rows, row_len), np.float32) for t in terms}
     for r, members in enumerate(bins):
         start = 0
         for seg_id, i in enumerate(members, start=1):
@@ -205,9 +216,11 @@ def pack(segments: list[Segment], row_len: int, *, rows_multiple: int = 1,
             end = start + len(seg)
             for name in TOKEN_FIELDS:
                 out[name][r, start:end] = getattr(seg, name)
+            for t, w in seg.weights.items():
+                out["weights"][t][r, start:end] = w
             out["segment_ids"][r, start:end] = seg_id
             out["positions"][r, start:end] = seg.positions
-            out["traj_index"][r, start:end] = seg.index
+            out["seq_index"][r, start:end] = seg.seq_index
             start = end
     stats = PackStats(rows=rows, row_len=row_len, sequences=len(segments),
                       tokens=sum(len(s) for s in segments),
@@ -243,9 +256,8 @@ def pad_micro(batch: PackedBatch, num_micro: int) -> PackedBatch:
     if batch.tokens.ndim != 3 or have > num_micro:
         raise ValueError(f"need a [micro, rows, L] batch with at most {num_micro} micro-batches")
 
-    def grow(name, a):
-        fill = -1 if name == "traj_index" else 0
+    def grow(a, fill=0):
         pad = np.full((num_micro - have, *a.shape[1:]), fill, a.dtype)
         return np.concatenate([np.asarray(a), pad])
 
-    return PackedBatch(**{f.name: grow(f.name, getattr(batch, f.name)) for f in dataclasses.fields(batch)})
+    return jax.tree.map(grow, batch).replace(seq_index=grow(batch.seq_index, -1))

@@ -1,7 +1,8 @@
 """A run's ml_collections config -> the typed configs its parts take.
 
-The trainer and the planner (`cope_jax/plan/`) both read a config through these functions, so the
-programs the planner compiles are built from exactly the settings the trainer would use.
+The run (`cope_jax/build.py`, `cope_jax/stages/`) and the planner (`cope_jax/plan/`) both read a
+config through these functions, so the programs the planner compiles are built from exactly the
+settings the run uses.
 """
 from __future__ import annotations
 
@@ -10,10 +11,20 @@ import os
 
 import ml_collections
 
-from cope_jax.methods import LossConfig
+from cope_jax.forecasting import ForecastConfig
+from cope_jax.methods import LossConfig, MethodSpec, get_method
+from cope_jax.rollout import RolloutConfig
 from cope_jax.train_step import OptimizerConfig
 from models import presets
 from models.config import ConfigError, QwenConfig
+
+
+WARMSTART_SCHEDULES = ("constant", "cosine")  # warmstart.lr_schedule
+
+
+def method(c: ml_collections.ConfigDict) -> MethodSpec:
+    """The configured method; `train.horizon` < 0 keeps the method's own K."""
+    return get_method(c.method, horizon=None if c.train.horizon < 0 else int(c.train.horizon))
 
 
 def loss_config(c: ml_collections.ConfigDict) -> LossConfig:
@@ -23,7 +34,7 @@ def loss_config(c: ml_collections.ConfigDict) -> LossConfig:
         entropy_coef=t.entropy_coef, temperature=c.rollout.temperature, aggregation=t.agg_mode,
         af_coef=t.af_coef, af_normalization=t.af_norm, af_mode=t.af_mode, rft_coef=t.rft_coef,
         echo_coef=t.echo_coef, progpo_scale=t.progpo_scale, logits_chunk_tokens=t.logprob_chunk,
-        norm_length=int(t.norm_length) or int(c.rollout.max_len))
+        norm_length=int(t.norm_length) or int(c.rollout.max_len), grad_norm_terms=tuple(t.grad_norm_terms))
 
 
 def optimizer_config(c: ml_collections.ConfigDict) -> OptimizerConfig:
@@ -32,15 +43,42 @@ def optimizer_config(c: ml_collections.ConfigDict) -> OptimizerConfig:
                            clip_norm=t.clip_norm, warmup_steps=t.lr_warmup_steps)
 
 
+def check_warmstart(c: ml_collections.ConfigDict) -> None:
+    if c.warmstart.lr_schedule not in WARMSTART_SCHEDULES:
+        raise ConfigError(f"warmstart.lr_schedule={c.warmstart.lr_schedule!r}: expected one of "
+                          f"{WARMSTART_SCHEDULES}")
+
+
 def warmstart_configs(c: ml_collections.ConfigDict) -> tuple[LossConfig, OptimizerConfig]:
-    """The supervised warm start's loss and optimizer: the rft and af terms read the same target
-    weights, so the rft term alone covers actions and forecasting targets (each segment weighted by
-    its own rule); af only admits the examples."""
+    """The supervised warm start's loss (method 'warmstart') and optimizer: forecasting examples,
+    when `warmstart.af_examples` asks for them, weigh like the demonstrations' actions."""
     ws = c.warmstart
-    loss = dataclasses.replace(loss_config(c), rft_coef=1.0, af_coef=0.0, af_mode="joint")
+    loss = dataclasses.replace(loss_config(c), rft_coef=1.0, af_coef=1.0 if ws.af_examples else 0.0,
+                               af_mode="joint")
     opt = dataclasses.replace(optimizer_config(c), learning_rate=ws.learning_rate,
                               decay_steps=ws.steps if ws.lr_schedule == "cosine" else 0)
     return loss, opt
+
+
+def rollout_config(c: ml_collections.ConfigDict, kind: str) -> RolloutConfig:
+    """The rollout loop's settings for training (`kind` 'train') or evaluation ('eval')."""
+    train = kind == "train"
+    return RolloutConfig(
+        max_rounds=c.env.max_rounds_train if train else c.env.max_rounds_eval,
+        max_turn_tokens=c.rollout.max_turn_tokens,
+        max_prompt_len=c.rollout.max_prompt_len, max_response_len=c.rollout.max_response_len,
+        temperature=c.rollout.temperature if train else c.eval.temperature,
+        top_p=c.rollout.top_p, top_k=c.rollout.top_k, greedy=False if train else c.eval.greedy,
+        sync=c.rollout.sync, stream_every=c.rollout.stream_every)
+
+
+def forecast_config(c: ml_collections.ConfigDict, family, kind: str, horizon: int) -> ForecastConfig:
+    """The forecasting examples of `kind` and `horizon`, laid out for the environment `family`."""
+    return ForecastConfig(
+        kind=kind, horizon=horizon,
+        layout=family.chat_layout,
+        skip_invalid=c.train.skip_invalid, skip_no_call=c.train.skip_no_call,
+        group_normalized=c.train.af_group_norm)
 
 
 def execution(c: ml_collections.ConfigDict) -> dict:
@@ -95,10 +133,17 @@ def check_workdir(workdir: str | None) -> str:
 
 
 def check_lengths(c: ml_collections.ConfigDict) -> None:
-    """A packed row must hold a whole episode: a shorter `train.row_len` would cut every long one."""
-    if int(c.train.row_len) < int(c.rollout.max_len):
-        raise ConfigError(f"train.row_len={c.train.row_len} is shorter than rollout.max_len={c.rollout.max_len}: "
+    """A packed row must hold a whole episode: a shorter `train.row_len` would cut every long one.
+    The prompt and response limits are counts (0: off) that together fit the row's `max_len`."""
+    r = c.rollout
+    if int(c.train.row_len) < int(r.max_len):
+        raise ConfigError(f"train.row_len={c.train.row_len} is shorter than rollout.max_len={r.max_len}: "
                           "episodes up to max_len tokens would be cut to fit a row; set row_len >= max_len")
+    if min(int(r.max_prompt_len), int(r.max_response_len)) < 0:
+        raise ConfigError("rollout.max_prompt_len and rollout.max_response_len must be >= 0 (0: no limit)")
+    if r.max_prompt_len and r.max_response_len and r.max_prompt_len + r.max_response_len > r.max_len:
+        raise ConfigError(f"rollout.max_prompt_len + max_response_len = {r.max_prompt_len + r.max_response_len} "
+                          f"exceeds rollout.max_len={r.max_len}: an episode within both limits would not fit its row")
 
 
 def max_fault_fraction(c: ml_collections.ConfigDict) -> float:

@@ -11,24 +11,27 @@ from cope_jax import metrics as metrics_lib
 
 def train_run(config, workdir: str, *, progress: bool = True, resume: str = "latest") -> dict[str, Any]:
     """Warm start (once per workdir), the starting policy's evaluation (once), then the RL stage
-    (resumed from the newest checkpoint; `resume`: `Trainer._resume`). Returns the last evaluation
-    summary."""
-    from cope_jax.trainer import Trainer
+    (resumed from the newest checkpoint; `resume`: `cope_jax/stages/rl.py: resume_from`). Returns the
+    last evaluation summary."""
+    from cope_jax.build import build
+    from cope_jax.stages.evaluate import evaluate
+    from cope_jax.stages.rl import train
+    from cope_jax.stages.warmstart import warmstart
 
-    trainer = Trainer(config, workdir)
+    parts = build(config, workdir)
     try:
-        trainer.warmstart(progress=progress)
-        logged = metrics_lib.latest_records(metrics_lib.read_log(trainer.workdir), "eval")
+        warmstart(parts, progress=progress)
+        logged = metrics_lib.latest_records(metrics_lib.read_log(parts.workdir), "eval")
         if config.eval.every and distributed.broadcast_object(0 not in logged):  # process 0's log decides
-            s = trainer.evaluate(0, progress=progress)
+            s = evaluate(parts, 0, progress=progress)
             print(f"step 0 (start of RL): succ {s['succ']:.3f} score {s['score']:.3f}", file=sys.stderr)
-        summary = trainer.train(progress=progress, resume=resume)
+        summary = train(parts, progress=progress, resume=resume)
         if not summary:  # nothing left to train: report the run's last evaluation
-            evals = metrics_lib.latest_records(metrics_lib.read_log(trainer.workdir), "eval")
+            evals = metrics_lib.latest_records(metrics_lib.read_log(parts.workdir), "eval")
             summary = evals[max(evals)] if evals else {}
         return summary
     finally:
-        trainer.close()
+        parts.close()
 
 
 def eval_run(config, workdir: str, *, checkpoint: int | None = None, split: str | None = None,
@@ -38,8 +41,11 @@ def eval_run(config, workdir: str, *, checkpoint: int | None = None, split: str 
     a run without checkpoints (or, for 0, without its finished warm start) is refused."""
     from flax import nnx
 
+    from cope_jax.build import build
     from cope_jax.checkpoint import TrainCheckpointer
-    from cope_jax.trainer import CHECKPOINT_DIR, WARMSTART_DIR, Trainer
+    from cope_jax.stages.evaluate import evaluate
+    from cope_jax.stages.rl import CHECKPOINT_DIR
+    from cope_jax.stages.warmstart import WARMSTART_DIR, warmstart
 
     if not os.path.isfile(os.path.join(workdir, "config.json")):
         raise FileNotFoundError(f"{workdir} is not a run directory (no config.json); run launch.train first")
@@ -54,27 +60,27 @@ def eval_run(config, workdir: str, *, checkpoint: int | None = None, split: str 
     if not step and config.warmstart.steps > 0 and not os.path.isdir(os.path.join(workdir, WARMSTART_DIR)):
         raise FileNotFoundError(f"{workdir} has no finished warm start ({WARMSTART_DIR}/), so no starting policy "
                                 "to evaluate; run launch.train first")
-    trainer = Trainer(config, workdir)
+    parts = build(config, workdir)
     try:
         ckpt = TrainCheckpointer(ckpt_dir)
         if not step:
-            trainer.warmstart()  # loads the finished warm start (checked above), never trains
+            warmstart(parts)  # loads the finished warm start (checked above), never trains
         else:
-            _, state, _, _ = ckpt.restore(step, abstract_state={"params": nnx.state(trainer.model, nnx.Param)})
-            nnx.update(trainer.model, state["params"])
+            _, state, _, _ = ckpt.restore(step, abstract_state={"params": nnx.state(parts.model, nnx.Param)})
+            nnx.update(parts.model, state["params"])
         ckpt.close()
-        summary = trainer.evaluate(step, split=split, samples=samples, tasks=tasks, name="eval_binary",
-                                   progress=progress)
-        logged = metrics_lib.latest_records(metrics_lib.read_log(trainer.workdir), "eval")
+        summary = evaluate(parts, step, split=split, samples=samples, tasks=tasks, name="eval_binary",
+                           progress=progress)
+        logged = metrics_lib.latest_records(metrics_lib.read_log(parts.workdir), "eval")
         results = {f"step_{s}": _from_record(r) for s, r in sorted(logged.items())}
         results[f"checkpoint_{step}"] = summary
         meta = {"config": config.env.family + ":" + config.method, "checkpoint": step,
                 "split": summary["split"], "samples": summary["samples"]}
-        paths = metrics_lib.write_eval_report(trainer.workdir, results, meta) if trainer.is_main else {}
+        paths = metrics_lib.write_eval_report(parts.workdir, results, meta) if parts.is_main else {}
         return {"checkpoint": step, "succ": summary["succ"], "score": summary["score"],
                 "episodes": summary["episodes"], **paths}
     finally:
-        trainer.close()
+        parts.close()
 
 
 def _from_record(r: dict) -> dict:

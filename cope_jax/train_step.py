@@ -36,7 +36,7 @@ from flax import nnx
 
 from cope_jax import logprobs as lp
 from cope_jax import losses
-from cope_jax.methods import POLICY_TERMS, LossConfig
+from cope_jax.methods import TERMS, LossConfig, needing, ordered, reported
 from cope_jax.packing import TOKEN_FIELDS, PackedBatch
 from models import loops, qwen
 from models import sharding as shd
@@ -79,19 +79,6 @@ def make_optimizer(cfg: OptimizerConfig = OptimizerConfig()) -> optax.GradientTr
                                    weight_decay=cfg.weight_decay))
 
 
-# term -> (logp, entropy, batch, cfg) -> (loss, additive metrics). One row per loss term.
-TERM_FNS = {
-    "pg": lambda logp, ent, b, cfg: losses.clipped_policy_loss(
-        logp, b.old_logp, b.advantage, b.pg_weight, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-        dual_clip=cfg.dual_clip),
-    "kl": lambda logp, ent, b, cfg: losses.low_var_kl(logp, b.ref_logp, b.pg_weight),
-    "entropy": lambda logp, ent, b, cfg: losses.entropy_bonus(ent, b.pg_weight),
-    "af": lambda logp, ent, b, cfg: losses.weighted_nll(logp, b.target_weight, "af"),
-    "rft": lambda logp, ent, b, cfg: losses.weighted_nll(logp, b.target_weight, "rft"),
-    "echo": lambda logp, ent, b, cfg: losses.weighted_nll(logp, b.obs_weight, "echo"),
-}
-
-
 def model_logprobs(model, batch: PackedBatch, cfg: LossConfig, *, with_entropy: bool, mesh=None):
     """One micro-batch [rows, L] -> (logp, entropy) [rows, L] in token coordinates."""
     hidden = model.hidden_states(batch.tokens, batch.positions, batch.segment_ids, batch.branch_ids)
@@ -101,36 +88,53 @@ def model_logprobs(model, batch: PackedBatch, cfg: LossConfig, *, with_entropy: 
                              with_entropy=with_entropy, mesh=mesh)
 
 
-def micro_loss(model, batch: PackedBatch, coefs: dict, cfg: LossConfig, *, with_entropy: bool, mesh=None):
+def _drift_sums(sampler_logp, old_logp, weight) -> dict:
+    """|sampler_logp - old_logp| over the sampled tokens (weight > 0): the sampler / trainer
+    mismatch (SPEC 1), as additive sums and a max."""
+    sampled = weight > 0
+    diff = jnp.where(sampled, jnp.abs(sampler_logp - old_logp), 0.0)
+    return {"sampler_drift_sum": diff.sum(), "sampler_drift_max": diff.max(initial=0.0),
+            "sampler_drift_tokens": sampled.sum().astype(jnp.float32)}
+
+
+def micro_loss(model, batch: PackedBatch, coefs: dict, cfg: LossConfig, *, on_policy: bool = False, mesh=None):
     """Fused loss of one micro-batch [rows, L]: (sum_term coefs[term] * term, additive metrics).
 
-    Every term in `coefs` is evaluated (they are cheap [rows, L] elementwise sums next to the
-    forward pass); a term outside the method has coefficient 0 and zero weights. Only the entropy
-    needs extra work over the vocabulary, so it is a static switch.
+    `coefs` maps each term the batch carries weights for to its coefficient (`TERMS` gives its
+    loss). `on_policy`: the batch was sampled from these very parameters, so the old log-probs are
+    the current ones (stop-gradient) and no separate forward pass gave them.
     """
+    with_entropy = bool(needing(coefs, "entropy"))
     logp, ent = model_logprobs(model, batch, cfg, with_entropy=with_entropy, mesh=mesh)
+    if on_policy:
+        batch = batch.replace(old_logp=jax.lax.stop_gradient(logp))
     total = jnp.zeros((), jnp.float32)
     metrics = {}
-    for term, coef in coefs.items():
-        value, m = TERM_FNS[term](logp, ent, batch, cfg)
-        total = total + coef * value
+    for term in ordered(coefs):
+        value, m = TERMS[term].loss(logp, ent, batch.weights[term], batch, cfg)
+        total = total + coefs[term] * value
         metrics.update(m)
+    uses_old = needing(coefs, "old_logp")
+    if uses_old:
+        metrics.update(_drift_sums(batch.sampler_logp, batch.old_logp, sum(batch.weights[t] for t in uses_old)))
     metrics["loss"] = total
     metrics["tokens"] = jnp.sum((batch.segment_ids > 0).astype(jnp.float32))
     return total, metrics
 
 
-def loss_and_grads(model, batch: PackedBatch, coefs: dict, cfg: LossConfig, *, with_entropy: bool = True,
-                   mesh=None):
+def loss_and_grads(model, batch: PackedBatch, cfg: LossConfig, coefs: dict | None = None, *,
+                   on_policy: bool = False, mesh=None):
     """batch [micro, rows, L] -> (loss, grads (nnx.State of the params), additive metric sums).
 
-    `coefs` maps term -> coefficient (`LossConfig.coefficients(terms)`). Traceable (call it under
-    jit); the step and the tests share it.
+    The loss is sum_term coefs[term] * term over the terms the batch carries weights for; `coefs`
+    defaults to the config's (`LossConfig.coefficients`), and terms it switches off are ignored.
+    Traceable (call it under jit); the step and the tests share it.
     """
+    coefs = _coefficients(batch, cfg) if coefs is None else coefs
     graphdef, params = nnx.split(model, nnx.Param)
 
     def one(p, mb):
-        return micro_loss(nnx.merge(graphdef, p), mb, coefs, cfg, with_entropy=with_entropy, mesh=mesh)
+        return micro_loss(nnx.merge(graphdef, p), mb, coefs, cfg, on_policy=on_policy, mesh=mesh)
 
     grad_fn = jax.value_and_grad(one, has_aux=True)
 
@@ -138,7 +142,7 @@ def loss_and_grads(model, batch: PackedBatch, coefs: dict, cfg: LossConfig, *, w
         grads, sums = carry
         (_, metrics), g = grad_fn(params, mb)
         grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
-        return grads, jax.tree.map(jnp.add, sums, metrics)
+        return grads, losses.accumulate_metrics(sums, metrics)
 
     def body(carry, mb):
         # micro-batches of padding (a mini-batch padded to a compiled size) cost nothing
@@ -151,6 +155,11 @@ def loss_and_grads(model, batch: PackedBatch, coefs: dict, cfg: LossConfig, *, w
     (grads, sums), _ = loops.scan("micro", body, (zeros, sums0), batch)
     grads = like_params(jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params))
     return sums["loss"], grads, sums
+
+
+def _coefficients(batch: PackedBatch, cfg: LossConfig) -> dict:
+    """{term: float32 coefficient} of the batch's terms the config keeps active."""
+    return {t: jnp.float32(c) for t, c in cfg.coefficients(batch.weights).items()}
 
 
 def _like_params(tree, mesh):
@@ -177,12 +186,16 @@ def place_batch(batch: PackedBatch, mesh=None) -> PackedBatch:
     return jax.tree.map(put, batch)
 
 
-def abstract_batch(shape: tuple[int, int, int], mesh=None) -> PackedBatch:
-    """A PackedBatch of abstract [micro, rows, L] arrays, laid out as `place_batch` places them."""
-    def leaf(field):
-        sharding = None if mesh is None else _batch_sharding(shape, mesh)
-        return jax.ShapeDtypeStruct(shape, np.dtype(TOKEN_FIELDS.get(field.name, np.int32)), sharding=sharding)
-    return PackedBatch(**{f.name: leaf(f) for f in dataclasses.fields(PackedBatch)})
+def abstract_batch(shape: tuple[int, int, int], terms, mesh=None) -> PackedBatch:
+    """A PackedBatch of abstract [micro, rows, L] arrays with weights of `terms`, laid out as
+    `place_batch` places them."""
+    sharding = None if mesh is None else _batch_sharding(shape, mesh)
+
+    def leaf(name):
+        return jax.ShapeDtypeStruct(shape, np.dtype(TOKEN_FIELDS.get(name, np.int32)), sharding=sharding)
+
+    fields = {f.name: leaf(f.name) for f in dataclasses.fields(PackedBatch) if f.name != "weights"}
+    return PackedBatch(**fields, weights={t: leaf("old_logp") for t in terms})
 
 
 def train_state_shardings(state, mesh):
@@ -210,23 +223,27 @@ def abstract_train_state(model_cfg: qwen.QwenConfig, opt_cfg: OptimizerConfig, m
     return graphdef, jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
 
 
-def _micro_with_policy_tokens(batch: PackedBatch) -> int:
-    """Leading micro-batches of a host batch [micro, rows, L] that hold every policy-loss token,
+def _micro_with_tokens_of(batch: PackedBatch, terms) -> int:
+    """Leading micro-batches of a host batch [micro, rows, L] that hold every token of `terms`,
     rounded up to a power of two (at most all of them). Placed or 2-D batches: all."""
-    weight = batch.pg_weight
-    if isinstance(weight, jax.Array) or np.ndim(weight) != 3:
+    weights = [batch.weights[t] for t in terms]
+    if any(isinstance(w, jax.Array) or np.ndim(w) != 3 for w in weights):
         return batch.num_micro
-    used = np.flatnonzero(np.asarray(weight).reshape(weight.shape[0], -1).any(axis=1))
+    used = np.flatnonzero(np.any([np.asarray(w).reshape(w.shape[0], -1).any(axis=1) for w in weights], axis=0))
     if not len(used):
         return 1  # nothing reads them
     return min(batch.num_micro, 1 << int(used[-1]).bit_length())
 
 
-def _train_step(graphdef, state, batch, coefs, *, cfg, with_entropy, mesh):
+def _train_step(graphdef, state, batch, coefs, *, cfg, on_policy, mesh):
     model, optimizer = nnx.merge(graphdef, state)
-    _, grads, sums = loss_and_grads(model, batch, coefs, cfg, with_entropy=with_entropy, mesh=mesh)
+    _, grads, sums = loss_and_grads(model, batch, cfg, coefs, on_policy=on_policy, mesh=mesh)
     metrics = losses.finalize_metrics(sums)
     metrics["grad_norm"] = optax.tree.norm(grads)
+    for term in (t for t in cfg.grad_norm_terms if t in coefs):
+        alone = {t: c if t == term else jnp.zeros_like(c) for t, c in coefs.items()}
+        _, term_grads, _ = loss_and_grads(model, batch, cfg, alone, on_policy=on_policy, mesh=mesh)
+        metrics[f"grad_norm_{term}"] = optax.tree.norm(term_grads)
     optimizer.update(model, grads)
     return nnx.state((model, optimizer)), metrics
 
@@ -239,9 +256,9 @@ def _logprobs(graphdef, params, batch, *, cfg, mesh):
 # Compiled functions are cached on their static inputs, so Learners of the same model, method and
 # optimizer config (e.g. a second run in one process) reuse the executables.
 @functools.lru_cache(maxsize=64)
-def _compiled_step(graphdef, cfg, with_entropy, mesh, sharding_leaves, sharding_treedef):
+def _compiled_step(graphdef, cfg, on_policy, mesh, sharding_leaves, sharding_treedef):
     shardings = jax.tree.unflatten(sharding_treedef, sharding_leaves)
-    fn = functools.partial(_train_step, graphdef, cfg=cfg, with_entropy=with_entropy, mesh=mesh)
+    fn = functools.partial(_train_step, graphdef, cfg=cfg, on_policy=on_policy, mesh=mesh)
     return jax.jit(fn, donate_argnums=0, out_shardings=(shardings, None))
 
 
@@ -250,10 +267,11 @@ def _compiled_logprobs(graphdef, cfg, mesh):
     return jax.jit(functools.partial(_logprobs, graphdef, cfg=cfg, mesh=mesh))
 
 
-def step_program(graphdef, state_shardings, cfg: LossConfig, with_entropy: bool, mesh):
-    """The jitted train step: (state, batch [micro, rows, L], coefs) -> (state, metrics)."""
+def step_program(graphdef, state_shardings, cfg: LossConfig, mesh, on_policy: bool = False):
+    """The jitted train step: (state, batch [micro, rows, L], coefs {term: coefficient}) ->
+    (state, metrics); the batch's weights and `coefs` name the same terms."""
     leaves, treedef = jax.tree.flatten(state_shardings)
-    return _compiled_step(graphdef, cfg.device_part(), with_entropy, mesh, tuple(leaves), treedef)
+    return _compiled_step(graphdef, cfg.device_part(), on_policy, mesh, tuple(leaves), treedef)
 
 
 def logprobs_program(graphdef, cfg: LossConfig, mesh):
@@ -273,36 +291,22 @@ def _committed(tree, mesh=None):
     return jax.device_put(tree, jax.tree.map(target, tree))
 
 
-@jax.jit
-def _drift(sampler_logp, old_logp, pg_weight):
-    """(max, mean) of |sampler_logp - old_logp| over sampled tokens (0 when there are none)."""
-    sampled = pg_weight > 0
-    diff = jnp.where(sampled, jnp.abs(sampler_logp - old_logp), 0.0)
-    return diff.max(initial=0.0), diff.sum() / jnp.maximum(sampled.sum(), 1)
-
-
-# metrics that belong to a term; others (loss, tokens, grad_norm) are always reported
-_TERM_METRICS = {"pg": ("pg_", "ppo_kl"), "kl": ("kl",), "entropy": ("entropy",), "af": ("af_",),
-                 "rft": ("rft_",), "echo": ("echo_",)}
-
-
-def _reported(name: str, terms) -> bool:
-    owners = [t for t, prefixes in _TERM_METRICS.items() if name.startswith(prefixes)]
-    return not owners or any(t in terms for t in owners)
-
-
 class Learner:
-    """The policy, its AdamW state and the compiled steps of one run.
+    """The policy, its optimizer state and the compiled steps of one run.
 
-    `train(minibatches, ref_model)` runs one train batch: old/ref logprobs for every mini-batch first
-    (so `old_logp` is the rollout policy for all of them), then one optimizer step per mini-batch.
+    `train(minibatches, ref_model)` runs one train batch sampled from the current parameters: the
+    old / reference log-probs of every mini-batch first (so `old_logp` is the rollout policy for
+    all of them), then one optimizer step per mini-batch. `optimizer`: an `OptimizerConfig`
+    (clipping + AdamW, SPEC 2) or any optax transform.
     """
 
-    def __init__(self, model, cfg: LossConfig, opt_cfg: OptimizerConfig = OptimizerConfig(), *, mesh=None):
+    def __init__(self, model, cfg: LossConfig,
+                 optimizer: OptimizerConfig | optax.GradientTransformation = OptimizerConfig(), *, mesh=None):
         self.model = model
         self.cfg = cfg
         self.mesh = mesh
-        self.optimizer = nnx.Optimizer(model, make_optimizer(opt_cfg), wrt=nnx.Param)
+        tx = make_optimizer(optimizer) if isinstance(optimizer, OptimizerConfig) else optimizer
+        self.optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
         self._graphdef, state = nnx.split((model, self.optimizer))
         # committed now, so the step's outputs (pinned to the same shardings) hit the executable
         # compiled for its first inputs
@@ -310,22 +314,26 @@ class Learner:
         nnx.update((model, self.optimizer), state)
         self._shardings = jax.tree.map(lambda a: a.sharding, state)
 
-    def _step_fn(self, with_entropy: bool):
-        return step_program(self._graphdef, self._shardings, self.cfg, with_entropy, self.mesh)
+    def step_program(self, on_policy: bool = False):
+        """The compiled step (`step_program`) of this learner's state."""
+        return step_program(self._graphdef, self._shardings, self.cfg, self.mesh, on_policy)
 
     # -- public API --------------------------------------------------------------------------------
-    def step(self, batch: PackedBatch, terms: Sequence[str]) -> dict[str, jax.Array]:
-        """One optimizer step on a placed or host batch [micro, rows, L]; returns its metrics."""
-        unknown = set(terms) - set(TERM_FNS)
-        if unknown:
-            raise ValueError(f"unknown loss terms {sorted(unknown)}")
-        terms = self.cfg.active_terms(terms)
-        coefs = {t: jnp.float32(c) for t, c in self.cfg.coefficients(terms).items()}
+    def step(self, batch: PackedBatch, *, on_policy: bool = False) -> dict[str, jax.Array]:
+        """One optimizer step on a placed or host batch [micro, rows, L] over the terms it carries
+        weights for; returns its metrics. `on_policy`: no update since the batch was sampled, so
+        its old log-probs are the current ones, taken inside the step (`fill_logprobs` skips them)."""
+        batch = self._active(batch)
+        coefs = _coefficients(batch, self.cfg)
         state = nnx.state((self.model, self.optimizer))
-        step = self._step_fn("entropy" in terms)
-        new_state, metrics = step(state, place_batch(batch, self.mesh), coefs)
+        new_state, metrics = self.step_program(on_policy)(state, place_batch(batch, self.mesh), coefs)
         nnx.update((self.model, self.optimizer), new_state)
-        return {k: v for k, v in metrics.items() if _reported(k, terms)}
+        return {k: v for k, v in metrics.items() if reported(k, coefs)}
+
+    def _active(self, batch: PackedBatch) -> PackedBatch:
+        """The batch without the weights of terms the config switches off."""
+        active = self.cfg.active_terms(batch.weights)
+        return batch.replace(weights={t: batch.weights[t] for t in active})
 
     def logprobs(self, batch: PackedBatch, model=None) -> jax.Array:
         """Forward-only logp [micro, rows, L] of `model` (default: the policy) on the packed rows."""
@@ -333,40 +341,37 @@ class Learner:
         fn = logprobs_program(nnx.graphdef(model), self.cfg, self.mesh)
         return fn(_committed(nnx.state(model, nnx.Param)), place_batch(batch, self.mesh))
 
-    def fill_logprobs(self, batch: PackedBatch, terms: Sequence[str], ref_model=None) -> tuple[PackedBatch, dict]:
-        """Adds old_logp (policy terms) and ref_logp (an active 'kl' term) to a host batch.
+    def fill_logprobs(self, batch: PackedBatch, ref_model=None, *, on_policy: bool = False) -> PackedBatch:
+        """Places a host batch and adds what its terms need: old_logp (the current policy's; not
+        with `on_policy`, where the step takes them) and ref_logp (`ref_model`'s). The log-probs
+        stay on the devices, in the batch's sharding (on several hosts no host holds all of them).
 
-        Also reports the sampler/trainer drift |sampler_logp - old_logp| over sampled tokens (SPEC 1).
-        The logprobs stay on the devices, in the batch's sharding (on several hosts no host holds
-        all of them); the rest of the batch is placed too.
+        Only the leading micro-batches holding those terms' tokens run the forward pass (trajectory
+        rows are packed before forecasting rows), rounded up to a power of two micro-batches (few
+        compiled shapes); the rest stays 0.
         """
-        metrics = {}
-        # only micro-batches with policy tokens read old/ref logp (forecasting-example rows are
-        # packed after the trajectories'): the forward passes run on those, rounded up to a power
-        # of two micro-batches (few compiled shapes); the rest stays 0
-        head = _micro_with_policy_tokens(batch)
+        batch = self._active(batch)
+        models = {"old_logp": None if on_policy else self.model, "ref_logp": ref_model}
+        wanted = {f: needing(batch.weights, f) for f in models if not (f == "old_logp" and on_policy)}
+        heads = {f: _micro_with_tokens_of(batch, terms) for f, terms in wanted.items() if terms}
         batch = place_batch(batch, self.mesh)
-        policy_part = jax.tree.map(lambda a: a[:head], batch) if head < batch.num_micro else batch
-
-        def logprobs(model=None):
-            logp = self.logprobs(policy_part, model)
-            return jnp.pad(logp, ((0, batch.num_micro - head), (0, 0), (0, 0))) if head < batch.num_micro else logp
-
-        if set(terms) & set(POLICY_TERMS):
-            batch = batch.replace(old_logp=logprobs())
-            drift_max, drift_mean = _drift(batch.sampler_logp, batch.old_logp, batch.pg_weight)
-            metrics["sampler_drift_max"], metrics["sampler_drift_mean"] = float(drift_max), float(drift_mean)
-        if "kl" in self.cfg.active_terms(terms):
-            if ref_model is None:
-                raise ValueError("the 'kl' term needs a reference model")
-            batch = batch.replace(ref_logp=logprobs(ref_model))
-        return batch, metrics
+        for field, head in heads.items():
+            if models[field] is None:
+                raise ValueError(f"the {' / '.join(wanted[field])} term needs a reference model")
+            part = jax.tree.map(lambda a: a[:head], batch) if head < batch.num_micro else batch
+            logp = self.logprobs(part, models[field])
+            if head < batch.num_micro:
+                logp = jnp.pad(logp, ((0, batch.num_micro - head), (0, 0), (0, 0)))
+            batch = batch.replace(**{field: logp})
+        return batch
 
     def train(self, minibatches, ref_model=None) -> list[dict]:
-        """One train batch: `minibatches` are `cope_jax.batching.MiniBatch`es, in order."""
-        filled = [self.fill_logprobs(mb.batch, mb.terms, ref_model) for mb in minibatches]
-        out = []
-        for mb, (batch, drift) in zip(minibatches, filled):
-            metrics = {k: float(v) for k, v in self.step(batch, mb.terms).items()}
-            out.append({**metrics, **drift})
-        return out
+        """One train batch: `minibatches` (`cope_jax.batching.MiniBatch`es, in order), sampled from
+        the current parameters. When only the first reads old log-probs (one policy mini-batch, one
+        epoch), they are the parameters' own at its step: it runs `on_policy`, without that pass."""
+        with_old = [i for i, mb in enumerate(minibatches) if needing(self.cfg.active_terms(mb.terms), "old_logp")]
+        on_policy = with_old == [0]
+        filled = [self.fill_logprobs(mb.batch, ref_model, on_policy=on_policy and i == 0)
+                  for i, mb in enumerate(minibatches)]
+        return [{k: float(v) for k, v in self.step(batch, on_policy=on_policy and i == 0).items()}
+                for i, batch in enumerate(filled)]

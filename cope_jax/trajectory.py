@@ -45,7 +45,10 @@ class Trajectory:
                                   observation i is o_i (o_0 = the first observation after the
                                   instruction).
     actions:          parsed action of each assistant turn (None when the reply did not parse).
-    observations:     observation strings o_0 .. o_T (ProGPO's coverage and `skip_invalid` read them).
+    observations:     observation strings o_0 .. o_T (ProGPO's coverage reads them).
+    rejected:         per action, whether the environment rejected it (its step info's `invalid`:
+                      unparseable, or not applicable in the state); the forecasting filter
+                      `skip_invalid` reads it. Missing entries (an unanswered last action): False.
     score, success:   raw environment score and the outcome Y (SPEC 5).
     task_id, group_id: the task, and the rollout group (the n rollouts of one task in one batch).
     family:           sub-task family for per-family metrics.
@@ -62,9 +65,10 @@ class Trajectory:
     observation_spans: np.ndarray | None = None
     actions: list[str | None] = dataclasses.field(default_factory=list)
     observations: list[str] = dataclasses.field(default_factory=list)
+    rejected: list[bool] = dataclasses.field(default_factory=list)
     score: float = 0.0
     success: bool = False
-    task_id: str = ""
+    task_id: int = -1  # -1: not from an environment task (hand-built)
     group_id: int = 0
     family: str = ""
     finish_reason: str = ""
@@ -94,6 +98,10 @@ class Trajectory:
     def num_steps(self) -> int:
         """T in the paper: the number of actions taken."""
         return len(self.action_spans)
+
+    def was_rejected(self, step: int) -> bool:
+        """Whether the environment rejected action `step` (`rejected`)."""
+        return step < len(self.rejected) and bool(self.rejected[step])
 
 
 @dataclasses.dataclass(eq=False)

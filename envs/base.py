@@ -48,7 +48,7 @@ class EnvFamily(abc.ABC):
 
     def __init__(self) -> None:
         self._rounds = 0
-        self._max_steps: int | None = None
+        self._max_rounds: int | None = None
         self._done = True
         self._task_id: int | None = None
 
@@ -95,14 +95,14 @@ class EnvFamily(abc.ABC):
         """Success label Y of an episode's final step (SPEC 5)."""
 
     # ---- live side -----------------------------------------------------------------------
-    def reset(self, task_id: int, max_steps: int | None = None) -> tuple[str, dict[str, Any]]:
+    def reset(self, task_id: int, max_rounds: int | None = None) -> tuple[str, dict[str, Any]]:
         """Start an episode; returns (first observation, info).
 
-        `max_steps` caps the number of `step` calls; the step that reaches it returns done=True
+        `max_rounds` caps the number of `step` calls; the step that reaches it returns done=True
         with info['truncated']=True (unless the episode ended on its own at that step).
         """
         self._rounds = 0
-        self._max_steps = max_steps
+        self._max_rounds = max_rounds
         self._done = False
         self._task_id = int(task_id)
         observation, info = self._reset(int(task_id))
@@ -127,7 +127,7 @@ class EnvFamily(abc.ABC):
         info.setdefault("score", float(score))
         info["rounds"] = self._rounds
         info["truncated"] = False
-        if not done and self._max_steps is not None and self._rounds >= self._max_steps:
+        if not done and self._max_rounds is not None and self._rounds >= self._max_rounds:
             done = True
             info["truncated"] = True
         self._done = bool(done)

@@ -18,7 +18,7 @@ No orphans: workers lead their own process group, which `close()` (also run by t
 at interpreter exit and from `__del__`) kills; a worker whose parent dies kills its own group.
 
     with EnvPool({"sciworld": 4}) as pool:
-        pool.submit_reset("ep0", "sciworld", task_id=12, max_steps=20)
+        pool.submit_reset("ep0", "sciworld", task_id=12, max_rounds=20)
         for r in pool.poll(timeout=1.0): ...
         pool.submit_step("ep0", "look around")
 
@@ -83,12 +83,13 @@ class _Request:
 
 
 @dataclass
-class _Episode:
+class _EpisodeSlot:
+    """An episode's environment slot: the worker and slot holding its environment (None and -1
+    while its reset waits for one), and the state of its calls."""
     family: str
-    task_id: int
     worker: "_Worker | None" = None
     slot: int = -1
-    busy: bool = True                          # a request is outstanding
+    busy: bool = True                          # a call of it has no answer yet
     score: float = 0.0
     lost: str | None = None                    # set when its worker died while it was idle
     released: bool = False
@@ -97,8 +98,8 @@ class _Episode:
 class _Worker:
     """One worker process and its bookkeeping (owned by EnvPool)."""
 
-    def __init__(self, family: str, index: int, slots: int) -> None:
-        self.family, self.index = family, index
+    def __init__(self, family: str, slots: int) -> None:
+        self.family = family
         self.slots: list[Hashable | None] = [None] * slots
         self.queue: collections.deque[_Request] = collections.deque()
         self.inflight: dict[int, _Request] = {}  # slot -> request the worker is answering
@@ -163,7 +164,7 @@ class EnvPool:
                         for name, spec in self._specs.items()}
         self._kwargs = {name: {**spec.kwargs, **dict((family_kwargs or {}).get(name, {}))}
                         for name, spec in self._specs.items()}
-        self._episodes: dict[Hashable, _Episode] = {}
+        self._episodes: dict[Hashable, _EpisodeSlot] = {}
         self._waiting: dict[str, collections.deque[_Request]] = {
             name: collections.deque() for name in workers}
         self._broken: dict[str, str] = {}
@@ -175,23 +176,23 @@ class EnvPool:
         for name, count in workers.items():
             if count < 1:
                 raise ValueError(f"{name}: need at least one worker")
-            for i in range(count):
-                w = _Worker(name, i, envs_per_worker)
+            for _ in range(count):
+                w = _Worker(name, envs_per_worker)
                 self._workers.append(w)
                 self._spawn(w)
 
     # ---- public API -------------------------------------------------------------------------
     def submit_reset(self, episode: Hashable, family: str, task_id: int,
-                     max_steps: int | None = None) -> None:
+                     max_rounds: int | None = None) -> None:
         """Start `episode` on task `task_id`; its first observation comes back from poll()."""
         self._check_open()
         if family not in self._specs:
             raise ValueError(f"no workers for family {family!r}")
         if episode in self._episodes:
             raise ValueError(f"episode {episode!r} is still live or has a call in flight")
-        self._episodes[episode] = _Episode(family, int(task_id))
+        self._episodes[episode] = _EpisodeSlot(family)
         req = _Request("reset", episode, {"op": "reset", "task_id": int(task_id),
-                                          "max_steps": max_steps}, time.monotonic())
+                                          "max_rounds": max_rounds}, time.monotonic())
         if family in self._broken:
             self._fail(req, "start_failed", self._broken[family])
             return
@@ -230,7 +231,7 @@ class EnvPool:
             self._episodes.pop(episode, None)
         elif not ep.busy:
             self._end_episode(episode)
-        # A busy episode ends when its outstanding result arrives (and is dropped).
+        # A busy episode ends when the answer to its call arrives (and is dropped).
 
     def poll(self, timeout: float | None = 0.0) -> list[EnvResult]:
         """Results finished so far; waits up to `timeout` seconds for at least one (None: until
@@ -255,7 +256,7 @@ class EnvPool:
 
     def wait_all(self, timeout: float | None = None) -> list[EnvResult]:
         """Poll until no result can arrive without a new submit (or `timeout`); returns them all.
-        Resets waiting for a slot held by an idle episode stay pending."""
+        Resets waiting for a slot held by an idle episode stay queued."""
         end = None if timeout is None else time.monotonic() + timeout
         out: list[EnvResult] = []
         while self._can_progress() or self._ready:
@@ -265,8 +266,8 @@ class EnvPool:
             out += self.poll(timeout=left)
         return out + self.poll(0.0)
 
-    def pending(self) -> int:
-        """Requests not yet returned by poll()."""
+    def outstanding(self) -> int:
+        """Calls submitted whose results poll() has not returned yet."""
         queued = sum(len(w.queue) + len(w.inflight) for w in self._workers)
         return queued + sum(len(q) for q in self._waiting.values()) + len(self._ready)
 

@@ -18,7 +18,7 @@ Live side, built for throughput:
 - the raw server path: `PythonInterface.step` plus `getScore` / `getCompleted`. The package's
   `ScienceWorldEnv.step` also recomputes the valid action-object combinations, look, inventory
   and task description on every call (20-50x slower);
-- our own round cap (EnvFamily.reset(max_steps)): the package's `envStepLimit` counts simulator
+- our own round cap (EnvFamily.reset(max_rounds)): the package's `envStepLimit` counts simulator
   moves, and `look around` is not one;
 - our own JVM launch with a capped heap (`-Xmx512m` by default), so four workers fit in memory.
 

@@ -6,7 +6,7 @@ lines (plain data) on stdin / the original stdout:
 
     parent -> worker: {"op": "init", "target": "module:Class", "kwargs": {...},
                        "concurrent": false}                                    (first line)
-                      {"op": "reset", "slot": 0, "task_id": 7, "max_steps": 20}
+                      {"op": "reset", "slot": 0, "task_id": 7, "max_rounds": 20}
                       {"op": "step", "slot": 0, "action": "go north" | null}
                       {"op": "close"}
     worker -> parent: {"ready": true, "pid": ...}  or  {"ready": false, "reason": ...}
@@ -107,7 +107,7 @@ class _Slots:
                 env = self._envs.get(slot)
                 if env is None:
                     env = self._envs[slot] = self._cls(**self._kwargs)
-                obs, info = env.reset(msg["task_id"], msg.get("max_steps"))
+                obs, info = env.reset(msg["task_id"], msg.get("max_rounds"))
                 score = float(info.get("score", 0.0))
                 self._send({"ok": True, "slot": slot, "observation": obs, "score": score, "done": False,
                             "success": False, "info": info})

@@ -18,8 +18,8 @@ SUITES = {
     "envs": "launch.bench_envs",
     "convert": "launch.bench_convert",
     "rollout": "launch.bench_rollout",
-    "learning": "launch.bench_learning",
     "attention": "launch.bench_attention",
+    "ablation": "launch.bench_ablation",
 }
 
 flags.DEFINE_enum("suite", None, sorted(SUITES), "Which benchmark suite to run.")

@@ -77,7 +77,7 @@ def _drive(pool, family: str, workers: int, steps: int, solutions) -> dict:
         tid, actions = solutions[cursor[0] % len(solutions)]
         cursor[0] += 1
         plan[ep] = list(actions)
-        pool.submit_reset(ep, family, tid, max_steps=len(actions))
+        pool.submit_reset(ep, family, tid, max_rounds=len(actions))
 
     t = time.perf_counter()
     for ep in range(workers):

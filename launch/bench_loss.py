@@ -13,6 +13,10 @@ JSON lines:
   outputs (the two gradients, which any step has), `peak_gb` = arguments + outputs + temp - aliased.
 - step: the whole train step (decoder forward and backward with full remat, loss, AdamW), per
   variant, with the same memory fields.
+- grpo_step: one GRPO mini-batch as `Learner.train` runs it (reference pass + step), with the
+  separate old-log-prob pass (`old_logp_pass`) and without it (`on_policy`: one mini-batch, old =
+  current inside the step), then a `ratio` line (on_policy / old_logp_pass time); at the token
+  counts of --loss_time_step_tokens.
 Time, tokens/s and MFU are measured (best of --loss_repeats, after a warm-up call unless
 --noloss_warmup) where the compiled
 peak fits in --loss_max_run_gb of host/device memory and, for the whole step, where the token count
@@ -38,7 +42,7 @@ flags.DEFINE_enum("loss_dtype", "float32", ["float32", "bfloat16"], "Compute and
 flags.DEFINE_integer("loss_repeats", 1, "Timed repeats; the best is reported.")
 flags.DEFINE_bool("loss_warmup", True, "One untimed call before the timed ones (compiles are always "
                   "excluded: executables are compiled ahead of time).")
-flags.DEFINE_list("loss_parts", ["logits", "step"], "What to measure: logits, step.")
+flags.DEFINE_list("loss_parts", ["logits", "step", "grpo"], "What to measure: logits, step, grpo.")
 flags.DEFINE_list("loss_variants", ["chunked", "full"], "Logits variants: chunked, full.")
 flags.DEFINE_list("loss_time_step_tokens", ["4096"], "Token counts at which the whole step is timed "
                   "(memory is reported at all of them); 'all' for every --loss_tokens.")
@@ -128,28 +132,23 @@ def model_config(layers: int, dtype: str):
 
 
 def packed_batch(tokens: int, row_len: int, vocab: int, seed: int = 0):
-    """[1 micro-batch, rows, row_len] of GRPO trajectories, two per row, with real loss weights."""
-    from cope_jax import losses
-    from cope_jax.packing import Segment, pack, split_micro
+    """[1 micro-batch, rows, row_len] of GRPO trajectories, two per row, with real loss weights
+    (`batching.sequence_segments`) and old / reference log-probs near each other."""
+    from cope_jax import batching, methods
 
     rng = np.random.RandomState(seed)
     row_len = min(row_len, tokens)
     rows = tokens // row_len
-    segs = []
-    for i in range(2 * rows):
-        n = row_len // 2
-        action = (np.arange(n) // 64) % 5 >= 3  # 64-token turns, 40% of them actions
-        action[0] = False
-        logp = -np.abs(rng.randn(n)).astype(np.float32)
-        segs.append(Segment(tokens=rng.randint(0, vocab, n), index=i, action_mask=action,
-                            old_logp=logp, ref_logp=logp + 0.1 * rng.randn(n).astype(np.float32),
-                            advantage=rng.choice([-1.0, 1.0]) * action))
-    counts = np.array([s.action_mask.sum() for s in segs], np.float32)
-    w = losses.sequence_token_weights(counts, "seq-mean-token-mean")
-    for s, wi in zip(segs, w):
-        s.pg_weight = wi * s.action_mask
-    packed, _ = pack(segs, row_len)
-    return split_micro(packed, rows)
+    n = row_len // 2
+    ids = [rng.randint(0, vocab, n) for _ in range(2 * rows)]
+    actions = [(np.arange(n) // 64) % 5 >= 3 for _ in ids]  # 64-token turns, 40% of them actions
+    advantages = rng.choice([-1.0, 1.0], len(ids))
+    segs = batching.sequence_segments(ids, actions, advantages, TERMS, methods.LossConfig(), row_len)
+    for s in segs:
+        s.old_logp = -np.abs(rng.randn(n)).astype(np.float32)
+        s.ref_logp = s.old_logp + 0.1 * rng.randn(n).astype(np.float32)
+    batch, _ = batching.pack_minibatch(segs, TERMS, row_len, rows_per_micro=rows)
+    return batch
 
 
 def model_flops(cfg, tokens: int, row_len: int) -> tuple[float, float]:
@@ -178,9 +177,10 @@ def bench_logits(cfg, batch, tokens: int, max_bytes: float):
 
         def loss(h, w):
             logp, ent = logprobs.token_logprobs(h, w, mb.tokens, mb.segment_ids, chunk_tokens=chunk)
-            pg, _ = losses.clipped_policy_loss(logp, mb.old_logp, mb.advantage, mb.pg_weight)
-            kl, _ = losses.low_var_kl(logp, mb.ref_logp, mb.pg_weight)
-            e, _ = losses.entropy_bonus(ent, mb.pg_weight)
+            w = mb.weights["pg"]  # the three policy terms weigh the same tokens
+            pg, _ = losses.clipped_policy_loss(logp, mb.old_logp, mb.advantage, w)
+            kl, _ = losses.low_var_kl(logp, mb.ref_logp, w)
+            e, _ = losses.entropy_bonus(ent, w)
             return pg + 1e-3 * kl - 1e-3 * e
 
         fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
@@ -213,7 +213,7 @@ def bench_step(cfg, batch, tokens: int, max_bytes: float, time_it: bool):
         state = nnx.state((learner.model, learner.optimizer))
         coefs = {t: jnp.float32(c) for t, c in loss_cfg.coefficients(TERMS).items()}
         placed = train_step.place_batch(batch)
-        compiled = learner._step_fn(True).lower(state, placed, coefs).compile()
+        compiled = learner.step_program().lower(state, placed, coefs).compile()
         mem = _memory(compiled)
         line = dict(bench="loss", kind="step", variant=variant, tokens=tokens, rows=R, row_len=L,
                     layers=cfg.num_layers, dtype=cfg.dtype, remat=cfg.remat, chunk_tokens=chunk, **mem)
@@ -233,6 +233,47 @@ def bench_step(cfg, batch, tokens: int, max_bytes: float, time_it: bool):
         gc.collect()
 
 
+def bench_grpo(cfg, batch, tokens: int, max_bytes: float) -> None:
+    """One GRPO mini-batch (pg + kl + entropy, a reference model) as `Learner.train` runs it: with
+    the separate old-log-prob forward pass (several mini-batches per train batch) and without it
+    (one mini-batch: old = current inside the step), then their time ratio."""
+    import gc
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import models
+    from cope_jax import methods, train_step
+
+    R, L = batch.tokens.shape[1:]
+    flops, _ = model_flops(cfg, tokens, L)
+    model = models.create_model(cfg, seed=0)
+    ref_model = models.qwen.frozen_copy(model)
+    learner = train_step.Learner(model, methods.LossConfig(logits_chunk_tokens=FLAGS.loss_chunk_tokens))
+    state = nnx.state((learner.model, learner.optimizer))
+    coefs = {t: jnp.float32(c) for t, c in learner.cfg.coefficients(batch.weights).items()}
+    mem = _memory(learner.step_program().lower(state, train_step.place_batch(batch), coefs).compile())
+    if mem["peak_gb"] * GB > max_bytes:
+        _emit(bench="loss", kind="grpo_step", tokens=tokens, skipped=f"compiled peak {mem['peak_gb']} GB "
+              f"exceeds {max_bytes / GB:.1f} GB")
+        return
+    seconds = {}
+    for variant, on_policy in (("old_logp_pass", False), ("on_policy", True)):
+        def one_step():
+            filled = learner.fill_logprobs(batch, ref_model, on_policy=on_policy)
+            jax.block_until_ready(learner.step(filled, on_policy=on_policy))
+
+        line = _timed(one_step, flops, tokens)
+        seconds[variant] = line["seconds"]
+        _emit(bench="loss", kind="grpo_step", variant=variant, tokens=tokens, rows=R, row_len=L,
+              layers=cfg.num_layers, dtype=cfg.dtype, **line)
+    _emit(bench="loss", kind="ratio", compared="grpo_step on_policy / old_logp_pass", tokens=tokens,
+          time_ratio=round(seconds["on_policy"] / seconds["old_logp_pass"], 3))
+    del learner, ref_model, model, state
+    gc.collect()
+
+
 def run(argv: list[str]) -> None:
     del argv
     import jax
@@ -245,6 +286,9 @@ def run(argv: list[str]) -> None:
         tokens = batch.tokens.size  # whole rows
         if "logits" in FLAGS.loss_parts:
             bench_logits(cfg, batch, tokens, max_bytes)
+        time_it = "all" in timed or str(tokens) in timed
         if "step" in FLAGS.loss_parts:
-            bench_step(cfg, batch, tokens, max_bytes, time_it="all" in timed or str(tokens) in timed)
+            bench_step(cfg, batch, tokens, max_bytes, time_it=time_it)
+        if "grpo" in FLAGS.loss_parts and time_it:
+            bench_grpo(cfg, batch, tokens, max_bytes)
     jax.clear_caches()

@@ -90,7 +90,7 @@ class ReplayPool:
         self._ready: list = []
         self._where: dict = {}  # pool episode key -> (trajectory, next observation index)
 
-    def submit_reset(self, episode, family, task_id, max_steps=None) -> None:
+    def submit_reset(self, episode, family, task_id, max_rounds=None) -> None:
         self._where[episode] = (self._trajs[len(self._where)], 0)
         self._answer(episode, "reset")
 
@@ -115,7 +115,7 @@ class ReplayPool:
 
     wait_all = poll
 
-    def pending(self) -> int:
+    def outstanding(self) -> int:
         return len(self._ready)
 
     def has_slot(self, episode) -> bool:
@@ -125,13 +125,13 @@ class ReplayPool:
         pass
 
 
-def replay_actions(pool, family: str, trajs, rounds: int) -> tuple[float, int]:
+def replay_actions(pool, family: str, trajs, max_rounds: int) -> tuple[float, int]:
     """Plays each trajectory's recorded actions through `pool`, all episodes at once; returns
     (wall seconds, environment steps)."""
     plans = {i: list(t.actions[:len(t.observations) - 1]) for i, t in enumerate(trajs)}
     t0 = time.perf_counter()
     for i, t in enumerate(trajs):
-        pool.submit_reset(("replay", i), family, int(t.task_id), max_steps=rounds)
+        pool.submit_reset(("replay", i), family, t.task_id, max_rounds=max_rounds)
     live, steps = len(trajs), 0
     while live:
         results = pool.poll(timeout=120)
@@ -271,17 +271,21 @@ def measure(family_name: str, model, tokenizer, style: str, eos_ids) -> dict:
                                  lambda out: out[0])
             timed("sync_wall_s", lambda: lockstep.run(plan, key), wall)
     family.close()
+    fields = {"suite": "rollout", "family": family_name, "workers": workers, "envs_per_worker": slots, "rows": rows,
+              "episodes": len(plan), "env_steps": stats.env_steps, "env_steps_replayed": env_steps,
+              "gen_tokens": stats.generated_tokens, "gen_tokens_replayed": rstats.generated_tokens,
+              "turn_end": FLAGS.rollout_turn_end, "stream_every": cfg.stream_every, "update_s": FLAGS.rollout_update_s}
+    return _line(fields, best, compiled, round(_COMPILE["s"] - compile_before, 3))
+
+
+def _line(fields: dict, best: dict, compiled: dict, compile_s: float) -> dict:
+    """The benchmark's line: `fields`, each measurement's best (seconds, CPU seconds), and the ratios."""
     # a measurement whose every run compiled is reported from those runs and named in `unclean`
     unclean = sorted(set(compiled) - set(best))
     best.update({k: compiled[k] for k in unclean})
     secs = {k: v[0] for k, v in best.items()}
     cpus = len(os.sched_getaffinity(0))
-    out = {"suite": "rollout", "family": family_name, "workers": workers, "envs_per_worker": slots, "rows": rows,
-           "episodes": len(plan), "env_steps": stats.env_steps, "env_steps_replayed": env_steps,
-           "gen_tokens": stats.generated_tokens, "gen_tokens_replayed": rstats.generated_tokens,
-           "turn_end": FLAGS.rollout_turn_end, "stream_every": cfg.stream_every, "update_s": FLAGS.rollout_update_s,
-           **{k: _seconds(v) for k, v in secs.items()},
-           "compile_s": round(_COMPILE["s"] - compile_before, 3), "unclean": unclean}
+    out = {**fields, **{k: _seconds(v) for k, v in secs.items()}, "compile_s": compile_s, "unclean": unclean}
     total = secs["sampling_s"] + secs["env_s"]
     out["sum_s"] = _seconds(total)
     longer = max(secs["sampling_s"], secs["env_s"])

@@ -47,7 +47,7 @@ def test_game_file_is_the_real_format(data_dir):
 def test_expert_plans_win_through_the_adapter(env):
     for tid in env.task_ids("train")[:2]:
         plan = env.expert_plan(tid)
-        obs, info = env.reset(tid, max_steps=30)
+        obs, info = env.reset(tid, max_rounds=30)
         assert obs.startswith("You are in the middle of a room")
         assert "Your task is to: " in obs and "\nAVAILABLE ACTIONS: " in obs
         assert all(a in info["admissible_commands"] for a in ("look", "inventory"))
@@ -66,7 +66,7 @@ def test_expert_plans_win_through_the_pool_and_wrong_plans_lose(env, data_dir):
     plans[("wrong", pick)] = wrong
     with EnvPool({"alfworld": 2}, family_kwargs={"alfworld": {"data_dir": str(data_dir)}}) as pool:
         for ep in plans:
-            pool.submit_reset(ep, "alfworld", ep[1], max_steps=len(plans[ep]))
+            pool.submit_reset(ep, "alfworld", ep[1], max_rounds=len(plans[ep]))
         finals, deadline = {}, time.monotonic() + 120
         while len(finals) < len(plans) and time.monotonic() < deadline:
             for r in pool.poll(timeout=30):
@@ -85,7 +85,7 @@ def test_expert_plans_win_through_the_pool_and_wrong_plans_lose(env, data_dir):
 
 def test_invalid_actions_change_nothing(env):
     tid = env.task_ids("test")[0]
-    obs0, _ = env.reset(tid, max_steps=3)
+    obs0, _ = env.reset(tid, max_rounds=3)
     obs, score, done, info = env.step("fly to the moon")
     assert obs.startswith(INVALID + "\nAVAILABLE ACTIONS: ") and info["invalid"] and not done
     assert obs.split("AVAILABLE ACTIONS: ")[1] == obs0.split("AVAILABLE ACTIONS: ")[1]

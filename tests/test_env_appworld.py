@@ -64,7 +64,7 @@ def test_missing_package_fails_the_episode_in_the_worker(small_root):
     kwargs = {"appworld": {"root": str(small_root), "check_sizes": False}}
     with EnvPool({"appworld": 1}, family_kwargs=kwargs,
                  python={"appworld": sys.executable}) as pool:
-        pool.submit_reset("a", "appworld", 0, max_steps=30)
+        pool.submit_reset("a", "appworld", 0, max_rounds=30)
         (r,) = pool.wait_all(timeout=60)
     assert r.error == "env_error" and not r.success
     assert "appworld package does not import" in r.reason and "COPE_ENV_PYTHON_APPWORLD" in r.reason

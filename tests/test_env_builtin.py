@@ -14,8 +14,8 @@ def env():
     return BuiltinEnv()
 
 
-def _play(env, task_id, actions, max_steps=None):
-    obs, info = env.reset(task_id, max_steps=max_steps)
+def _play(env, task_id, actions, max_rounds=None):
+    obs, info = env.reset(task_id, max_rounds=max_rounds)
     trace = [obs]
     score, done, info = 0.0, False, info
     for a in actions:
@@ -33,10 +33,10 @@ def test_expert_solves_every_test_and_train_task(env):
         shortest = shortest_solution(generate_task(tid))
         assert MIN_STEPS <= len(shortest) <= MAX_STEPS
         assert len(shortest) <= len(actions) <= 2 * MAX_STEPS
-        _, score, done, info = _play(env, tid, actions, max_steps=env.max_rounds["eval"])
+        _, score, done, info = _play(env, tid, actions, max_rounds=env.max_rounds["eval"])
         assert done and score == 1.0 and env.success(score, done, info), (tid, actions)
         assert info["rounds"] == len(actions)  # it ends exactly on the last expert action
-        _, score, done, info = _play(env, tid, shortest, max_steps=len(shortest))
+        _, score, done, info = _play(env, tid, shortest, max_rounds=len(shortest))
         assert done and env.success(score, done, info), (tid, shortest)
 
 
@@ -46,7 +46,7 @@ def test_expert_only_acts_on_what_it_sees(env):
     policy = {}
     for tid in env.task_ids("test") + env.task_ids("train")[:300]:
         actions = env.expert_actions(tid)
-        trace = _play(env, tid, actions, max_steps=len(actions))[0]
+        trace = _play(env, tid, actions, max_rounds=len(actions))[0]
         task_text, held = generate_task(tid).text(), ()
         for obs, action in zip(trace, actions):
             key = (task_text, obs.replace(task_text, "").strip(), held)
@@ -67,7 +67,7 @@ def test_random_actions_solve_few(env):
     wins = trials = 0
     for tid in env.task_ids("test"):
         for _ in range(3):
-            env.reset(tid, max_steps=env.max_rounds["train"])
+            env.reset(tid, max_rounds=env.max_rounds["train"])
             done = False
             while not done:
                 _, score, done, info = env.step(rng.choice(space))
@@ -80,7 +80,7 @@ def test_expert_prefix_is_not_success(env):
     # Every family needs several steps in order: stopping one short never succeeds.
     for tid in env.task_ids("test")[:60]:
         actions = env.expert_actions(tid)
-        _, score, done, info = _play(env, tid, actions[:-1], max_steps=len(actions) - 1)
+        _, score, done, info = _play(env, tid, actions[:-1], max_rounds=len(actions) - 1)
         assert not env.success(score, done, info)
         assert score < 1.0
 
@@ -120,7 +120,7 @@ def test_families_balanced_and_reported(env):
 
 def test_invalid_actions_and_unparseable_replies(env):
     tid = env.task_ids("test")[0]
-    obs0, _ = env.reset(tid, max_steps=5)
+    obs0, _ = env.reset(tid, max_rounds=5)
     obs, score, done, info = env.step("fly to the moon")
     assert obs == INVALID == env.invalid_action_message and info["invalid"] and not done
     obs, score, done, info = env.step(None)           # unparseable reply: costs a round
@@ -131,7 +131,7 @@ def test_invalid_actions_and_unparseable_replies(env):
 
 def test_step_cap_truncates(env):
     tid = env.task_ids("test")[0]
-    env.reset(tid, max_steps=2)
+    env.reset(tid, max_rounds=2)
     _, _, done, info = env.step("look")
     assert not done
     _, _, done, info = env.step("look")

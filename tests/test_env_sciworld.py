@@ -67,7 +67,7 @@ def test_gold_replay_through_the_adapter(env):
     for name in GOLD_TASKS[:2]:
         tid = _first_id(name)
         gold = env.gold_actions(tid)
-        obs, info = env.reset(tid, max_steps=len(gold))
+        obs, info = env.reset(tid, max_rounds=len(gold))
         assert obs.startswith("Your task is to") and info["task_name"] == name
         for a in gold:
             obs, score, done, info = env.step(a)
@@ -81,7 +81,7 @@ def test_gold_replay_through_the_pool_gives_y1(env, pool):
     for name in GOLD_TASKS:
         tid = _first_id(name)
         golds[tid] = list(env.gold_actions(tid))
-        pool.submit_reset(tid, "sciworld", tid, max_steps=len(golds[tid]))
+        pool.submit_reset(tid, "sciworld", tid, max_rounds=len(golds[tid]))
     finals = {}
     deadline = time.monotonic() + 120
     while len(finals) < len(golds) and time.monotonic() < deadline:
@@ -99,7 +99,7 @@ def test_gold_replay_through_the_pool_gives_y1(env, pool):
 
 def test_wrong_focus_gives_y0(pool):
     tid = _first_id("find-living-thing")
-    pool.submit_reset("wrong", "sciworld", tid, max_steps=10)
+    pool.submit_reset("wrong", "sciworld", tid, max_rounds=10)
     assert pool.wait_all(timeout=60)[0].ok
     pool.submit_step("wrong", "focus on air")
     (r,) = pool.wait_all(timeout=60)
@@ -108,7 +108,7 @@ def test_wrong_focus_gives_y0(pool):
 
 def test_invalid_actions_and_step_cap(env):
     tid = _first_id("chemistry-mix")
-    env.reset(tid, max_steps=3)
+    env.reset(tid, max_rounds=3)
     obs, score, done, info = env.step("dance wildly")
     assert obs == INVALID and info["invalid"] and not done
     obs, score, done, info = env.step(None)

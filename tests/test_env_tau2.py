@@ -21,8 +21,8 @@ def _test_ids(domain, k):
     return [i for i in SPLIT_IDS["test"] if POOL[i][0] == domain][:k]
 
 
-def _play(env, task_id, replies, max_steps=50):
-    obs, info = env.reset(task_id, max_steps=max_steps)
+def _play(env, task_id, replies, max_rounds=50):
+    obs, info = env.reset(task_id, max_rounds=max_rounds)
     steps = [(obs, 0.0, False, info)]
     for reply in replies:
         steps.append(env.step(env.parse_action(reply)))
@@ -102,7 +102,7 @@ def test_doing_nothing_on_a_database_task_gives_y0(env):
 
 def test_bad_tool_call_costs_a_round_and_the_cap_scores_zero(env):
     tid = _test_ids("airline", 1)[0]
-    env.reset(tid, max_steps=3)
+    env.reset(tid, max_rounds=3)
     obs, score, done, info = env.step(env.parse_action('<tool_call>{"name": "get_user_details", '
                                                        '"arguments": {"user_id": }</tool_call>'))
     assert obs == BAD_TOOL_CALL.format(reason="JSON error: Expecting value")
@@ -120,7 +120,7 @@ def test_gold_replay_through_the_pool():
     with EnvPool({"tau2": 2}) as pool:
         plans = {tid: gold_replies(fam.load_task(tid)) for tid in ids}
         for tid in ids:
-            pool.submit_reset(tid, "tau2", tid, max_steps=50)
+            pool.submit_reset(tid, "tau2", tid, max_rounds=50)
         finals, deadline = {}, time.monotonic() + 180
         while len(finals) < len(ids) and time.monotonic() < deadline:
             for r in pool.poll(timeout=30):

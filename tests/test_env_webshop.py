@@ -90,7 +90,7 @@ def test_missing_install_names_what_is_missing(tmp_path, monkeypatch):
 
 def test_missing_install_fails_the_episode_through_the_pool(tmp_path):
     with EnvPool({"webshop": 1}, family_kwargs={"webshop": {"root": str(tmp_path)}}) as pool:
-        pool.submit_reset("a", "webshop", 0, max_steps=15)
+        pool.submit_reset("a", "webshop", 0, max_rounds=15)
         (r,) = pool.wait_all(timeout=60)
         assert r.error == "env_error" and r.done and not r.success
         assert "items_shuffle_1000.json" in r.reason and "webshop.sh" in r.reason

@@ -17,7 +17,7 @@ from tests.test_train_e2e import tiny_config
 def _traj(group: int, success: bool, reason: str = "done", pid=None) -> Trajectory:
     env = {"error": reason[4:], "reason": "worker lost: killed", "worker_pid": pid} if reason.startswith("env_") else {}
     return Trajectory(tokens=np.arange(6), action_mask=np.r_[[False] * 3, [True] * 3], obs_mask=np.zeros(6, bool),
-                      success=success, group_id=group, task_id=str(group), finish_reason=reason,
+                      success=success, group_id=group, task_id=group, finish_reason=reason,
                       metadata={"env": env})
 
 
@@ -56,7 +56,9 @@ def test_a_worker_killed_mid_rollout_leaves_its_episodes_out_of_the_step(tmp_pat
     """A real run: one of two environment workers is SIGKILLed while the first step's episodes play.
     Its episodes reach neither the forecasting examples nor the mini-batches (which hold exactly the
     finished episodes), and the step record counts them."""
-    from cope_jax import trainer as trainer_lib
+    from cope_jax.build import build
+    from cope_jax.stages import loop
+    from cope_jax.stages.rl import train
     from envs.pool import EnvPool
 
     c = tiny_config("cope", steps=1)
@@ -64,9 +66,9 @@ def test_a_worker_killed_mid_rollout_leaves_its_episodes_out_of_the_step(tmp_pat
     c.rollout.update(tasks_per_step=2, group_size=4, sampler_rows=8, max_fault_fraction=0.75, prefetch_resets=False)
     c.eval.update(every=0)
     seen = {}
-    real_build = trainer_lib.build_minibatches
+    real_build = loop.build_minibatches
 
-    def build(trajs, *args, **kwargs):
+    def build_recorded(trajs, *args, **kwargs):
         seen["trajs"] = list(trajs)
         return real_build(trajs, *args, **kwargs)
 
@@ -81,13 +83,13 @@ def test_a_worker_killed_mid_rollout_leaves_its_episodes_out_of_the_step(tmp_pat
             os.kill(seen["killed"], signal.SIGKILL)
         return results
 
-    monkeypatch.setattr(trainer_lib, "build_minibatches", build)
-    monkeypatch.setattr(EnvPool, "poll", poll)
-    trainer = trainer_lib.Trainer(c, str(tmp_path / "run"))
+    monkeypatch.setattr(loop, "build_minibatches", build_recorded)
+    parts = build(c, str(tmp_path / "run"))
+    monkeypatch.setattr(EnvPool, "poll", poll)  # after the tokenizer's corpus, which plays through the pool
     try:
-        trainer.train(progress=False)
+        train(parts, progress=False)
     finally:
-        trainer.close()
+        parts.close()
     record = [json.loads(l) for l in open(tmp_path / "run" / "metrics.jsonl")][-1]
     lost = int(record["env_faults"])
     assert lost >= 1 and record.get("env_crashed", 0) >= 1, record

@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 from cope_jax.chat import ChatFormat
-from cope_jax.forecasting import NEXT_ACTION, PLAN_REQUEST, ForecastConfig, build_examples, history_prefix
+from cope_jax.forecasting import (NEXT_ACTION, PLAN_REQUEST, ForecastConfig, build_examples, history_prefix,
+                                  target_windows)
 from cope_jax.tokenizer import IM_END, load_tokenizer
 from cope_jax.trajectory import Trajectory
 
@@ -12,8 +13,9 @@ CHAT = ChatFormat(TOK, "plain")
 INVALID = "Nothing happens."
 
 
-def episode(actions, observations=None, success=True, group=0, replies=None, obs_role="user"):
-    """A trajectory laid out as the rollout lays it out; replies default to ReAct text."""
+def episode(actions, observations=None, success=True, group=0, replies=None, obs_role="user", rejected=()):
+    """A trajectory laid out as the rollout lays it out; replies default to ReAct text; `rejected`:
+    the steps whose action the environment rejected."""
     observations = observations or [f"obs {i}" for i in range(len(actions) + 1)]
     replies = replies or [f"Thought: step {i}.\nAction: {a}" if a else "I am confused" for i, a in enumerate(actions)]
     ids, amask, omask, aspans, ospans = [], [], [], [], []
@@ -40,7 +42,7 @@ def episode(actions, observations=None, success=True, group=0, replies=None, obs
         add(CHAT.end_of_turn())
     return Trajectory(tokens=ids, action_mask=amask, obs_mask=omask, action_spans=aspans,
                       observation_spans=ospans, actions=list(actions), observations=observations,
-                      success=success, group_id=group)
+                      rejected=[j in rejected for j in range(len(actions))], success=success, group_id=group)
 
 
 def target_texts(example):
@@ -110,13 +112,32 @@ def test_weights_follow_group_successes():
 def test_unparseable_and_invalid_actions():
     acts = ["go north", None, "take key", "go west", "open door"]
     obs = ["o0", "o1", INVALID, "o3", INVALID, "o5"]
-    plain = build_examples([episode(acts, obs)], CHAT, ForecastConfig(horizon=2))
-    assert [e.step for e in plain] == [0, 2, 3, 4]
+    plain = build_examples([episode(acts, obs, rejected=(1, 3))], CHAT, ForecastConfig(horizon=2))
+    assert [e.step for e in plain] == [0, 2, 3, 4]  # without the filter a rejected action is a target
     assert target_texts(plain[0]) == ["go north\ntake key" + IM_END]
-    filtered = build_examples([episode(acts, obs)], CHAT, ForecastConfig(
-        horizon=0, skip_invalid=True, invalid_message=INVALID))
-    # a_0 -> o1 fine; a_2 ("take key") -> o3 fine; a_3 -> INVALID dropped; a_4 -> o5 fine
-    assert [e.step for e in filtered] == [0, 2, 4]
+
+
+def _windows(actions, rejected, horizon, kind="plan"):
+    traj = episode(actions, rejected=rejected)
+    return target_windows(traj, ForecastConfig(kind=kind, horizon=horizon, skip_invalid=True))
+
+
+def test_rejected_targets_are_refilled_with_the_next_valid_action():
+    """SPEC 3 / section 8: each rejected target is replaced by the next valid action of the episode;
+    a step whose own action was rejected keeps its example with the refilled target."""
+    acts = ["go north", "fly", "take key", "go south", "dance"]  # a_1 and a_4 (the last) rejected
+    # K=0: the rejected a_1 -> a_2; the rejected last action has no valid action after it
+    assert _windows(acts, (1, 4), 0) == [[0], [2], [2], [3], []]
+    # K=1: windows keep two targets where the episode has them, skipping the rejected a_1
+    assert _windows(acts, (1, 4), 1) == [[0, 2], [2, 3], [2, 3], [3], []]
+    # unparseable (None) and rejected alike; sft targets the step's own turn: rejected steps dropped
+    assert _windows(["go north", None, "take key"], (1,), 0) == [[0], [2], [2]]
+    assert _windows(acts, (1, 4), 0, kind="sft") == [[0], [], [2], [3], []]
+    # what the examples say: step 1's example forecasts "take key" from the history up to o_1
+    ex = build_examples([episode(acts, rejected=(1, 4))], CHAT, ForecastConfig(horizon=1, skip_invalid=True))
+    assert [e.step for e in ex] == [0, 1, 2, 3]
+    assert target_texts(ex[1]) == ["take key\ngo south" + IM_END]
+    assert "fly" not in TOK.decode(ex[1].tokens[ex[1].prefix_len:])
 
 
 def test_sft_success_targets_the_sampled_turn():
@@ -138,11 +159,11 @@ TAU2_ACTIONS = ['<tool_call>\n{"name": "find_user", "arguments": {"email": "a@b.
 
 def test_tau2_multi_turn_targets():
     traj = episode(TAU2_ACTIONS, observations=["hi, I need help"] + ["result"] * 4, replies=TAU2_ACTIONS)
-    examples = build_examples([traj], CHAT, ForecastConfig(layout="tau2", horizon=2))
+    examples = build_examples([traj], CHAT, ForecastConfig(layout="tool_calling", horizon=2))
     ex = examples[0]
     assert target_texts(ex) == [a + IM_END for a in TAU2_ACTIONS[:3]]
     text = TOK.decode(ex.tokens)
-    assert PLAN_REQUEST["tau2"].format(k=3) in text
+    assert PLAN_REQUEST["tool_calling"].format(k=3) in text
     assert text.count(NEXT_ACTION) == 2
     # the inserted "Next action?" turns carry no loss
     for run in target_texts(ex):
@@ -151,10 +172,10 @@ def test_tau2_multi_turn_targets():
 
 def test_tau2_skip_no_call():
     traj = episode(TAU2_ACTIONS, observations=["hi"] + ["r"] * 4, replies=TAU2_ACTIONS)
-    cfg = ForecastConfig(layout="tau2", horizon=0, skip_no_call=True)
+    cfg = ForecastConfig(layout="tool_calling", horizon=0, skip_no_call=True)
     assert [e.step for e in build_examples([traj], CHAT, cfg)] == [0, 2]
     # K=1: window [3] is a reply only -> dropped; windows with one call survive
-    cfg = ForecastConfig(layout="tau2", horizon=1, skip_no_call=True)
+    cfg = ForecastConfig(layout="tool_calling", horizon=1, skip_no_call=True)
     assert [e.step for e in build_examples([traj], CHAT, cfg)] == [0, 1, 2]
 
 
@@ -163,5 +184,11 @@ def test_config_errors():
         ForecastConfig(kind="dream")
     with pytest.raises(ValueError, match="horizon"):
         ForecastConfig(horizon=-1)
-    with pytest.raises(ValueError, match="invalid_message"):
-        ForecastConfig(skip_invalid=True)
+
+
+def test_without_group_normalization_every_example_weighs_one():
+    trajs = [episode(ACTIONS[:2], group=2, success=s) for s in (True, True, True, False)]
+    normalized = build_examples(trajs, CHAT, ForecastConfig(horizon=1))
+    plain = build_examples(trajs, CHAT, ForecastConfig(horizon=1, group_normalized=False))
+    assert {e.weight for e in normalized} == {1 / 3} and {e.weight for e in plain} == {1.0}
+    assert [e.tokens.tolist() for e in normalized] == [e.tokens.tolist() for e in plain]

@@ -20,7 +20,7 @@ import models
 from configs import demo
 from cope_jax import run_config
 from cope_jax import train_step as ts
-from cope_jax.methods import TERMS
+from cope_jax.methods import get_method
 from cope_jax.plan import measure, planner, programs, targets
 from models import qwen
 
@@ -114,10 +114,12 @@ def test_temporaries_equal_an_independent_compile():
         return shard(qwen.PARAM_AXES.get(name, (None,) * a.ndim), a)
     state = jax.tree_util.tree_map_with_path(place, state)
     rows = 4
-    batch = ts.abstract_batch((1, rows, 256), mesh)
-    coefs = {t: jax.ShapeDtypeStruct((), jnp.float32) for t in TERMS}
-    fn = jax.jit(lambda s, b, k: ts._train_step(graphdef, s, b, k, cfg=run_config.loss_config(c).device_part(),
-                                                with_entropy=False, mesh=mesh), donate_argnums=0)
+    loss = run_config.loss_config(c)
+    terms = loss.active_terms(get_method(c.method).terms)
+    batch = ts.abstract_batch((1, rows, 256), terms, mesh)
+    coefs = {t: jax.ShapeDtypeStruct((), jnp.float32) for t in terms}
+    fn = jax.jit(lambda s, b, k: ts._train_step(graphdef, s, b, k, cfg=loss.device_part(), on_policy=False,
+                                                mesh=mesh), donate_argnums=0)
     mem = fn.lower(state, batch, coefs).compile().memory_analysis()
     assert step.temporaries == mem.temp_size_in_bytes
 

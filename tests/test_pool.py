@@ -20,7 +20,7 @@ def _run_experts(pool, episodes):
     """Drive episodes {episode: task_id} with expert actions; returns final results."""
     plans = {ep: FAM.expert_actions(tid) for ep, tid in episodes.items()}
     for ep, tid in episodes.items():
-        pool.submit_reset(ep, "builtin", tid, max_steps=20)
+        pool.submit_reset(ep, "builtin", tid, max_rounds=20)
     finals = {}
     deadline = time.monotonic() + 60
     while len(finals) < len(episodes) and time.monotonic() < deadline:
@@ -39,7 +39,7 @@ def test_batch_larger_than_slots_completes():
         finals = _run_experts(pool, {f"ep{i}": t for i, t in enumerate(tids)})
         assert len(finals) == 24 and all(r.success and r.score == 1.0 for r in finals.values())
         assert len({r.worker_pid for r in finals.values()}) == 2  # both workers were used
-        assert pool.pending() == 0
+        assert pool.outstanding() == 0
 
 
 def test_poll_does_not_block_and_results_carry_info():
@@ -65,7 +65,7 @@ def test_release_frees_the_slot_for_a_waiting_reset():
         pool.submit_reset("b", "builtin", b)
         got = pool.wait_all(timeout=30)
         assert [r.episode for r in got] == ["a"]  # b waits for a slot
-        assert pool.pending() == 1
+        assert pool.outstanding() == 1
         pool.release("a")
         got = pool.wait_all(timeout=30)
         assert [r.episode for r in got] == ["b"]
@@ -187,7 +187,7 @@ def test_release_withdraws_a_reset_still_waiting_for_a_slot():
         pool.submit_reset("b", "builtin", b)
         pool.release("b")
         assert [r.episode for r in pool.wait_all(timeout=30)] == ["a"]
-        assert pool.pending() == 0
+        assert pool.outstanding() == 0
         pool.release("a")
         pool.submit_reset("b", "builtin", b)  # the id is free again
         assert [r.episode for r in pool.wait_all(timeout=30)] == ["b"]

@@ -48,7 +48,7 @@ def _all_dead(pids, within=5.0):
 
 
 def _reset(pool, ep, tid=None):
-    pool.submit_reset(ep, "chaos", FAM.task_ids("test")[0] if tid is None else tid, max_steps=20)
+    pool.submit_reset(ep, "chaos", FAM.task_ids("test")[0] if tid is None else tid, max_rounds=20)
     (r,) = pool.wait_all(timeout=30)
     assert r.ok, r
     return r
@@ -60,7 +60,7 @@ def _drive_batch(pool, episodes, faults):
     for ep, fault in faults.items():
         plans[ep].insert(1, fault)
     for ep, t in episodes.items():
-        pool.submit_reset(ep, "chaos", t, max_steps=20)
+        pool.submit_reset(ep, "chaos", t, max_rounds=20)
     finals = {}
     end = time.monotonic() + 60
     while len(finals) < len(episodes) and time.monotonic() < end:

@@ -6,8 +6,10 @@ import sys
 
 import pytest
 
-from cope_jax import trainer as trainer_lib
+from cope_jax.build import build
 from cope_jax.runs import eval_run
+from cope_jax.stages.evaluate import evaluate, stratified
+from cope_jax.stages.warmstart import warmstart
 from models import CheckpointError, ConfigError
 from tests.test_train_e2e import tiny_config
 
@@ -26,6 +28,8 @@ def _binary(module, *args, cwd):
     (["--config=CONFIGS/demo.py", "--workdir=REPO"], "is the repository's root"),
     (["--config=CONFIGS/demo.py", "--workdir=run", "--config.train.row_len=100"],
      "train.row_len=100 is shorter than rollout.max_len=768"),
+    (["--config=CONFIGS/demo.py", "--workdir=run", "--config.rollout.max_prompt_len=500",
+      "--config.rollout.max_response_len=500"], "max_response_len = 1000 exceeds rollout.max_len=768"),
     (["--config=CONFIGS/demo.py:nosuch", "--workdir=run"], "unknown method 'nosuch'"),
     (["--config=CONFIGS/nosuch.py", "--workdir=run"], "nosuch.py: no such config file"),
     (["--config=CONFIGS/demo.py", "--workdir=run", "--nosuchflag"], "Unknown command line flag 'nosuchflag'"),
@@ -46,7 +50,7 @@ def test_sentencepiece_on_a_family_without_an_expert_is_refused_before_the_envir
     c = tiny_config("grpo")
     c.env.family = "tau2"
     with pytest.raises(ConfigError, match="tau2 has no expert"):
-        trainer_lib.Trainer(c, str(tmp_path / "run"))
+        build(c, str(tmp_path / "run"))
     assert not os.path.exists(tmp_path / "run")
 
 
@@ -57,10 +61,9 @@ def test_a_failed_start_leaves_the_workdir_reusable(tmp_path):
     bad = tiny_config("grpo")
     bad.model.update(init="pretrained", path=str(tmp_path / "missing"))
     with pytest.raises(CheckpointError, match="no such directory"):
-        trainer_lib.Trainer(bad, workdir)
+        build(bad, workdir)
     assert not os.path.exists(workdir)
-    trainer = trainer_lib.Trainer(tiny_config("grpo"), workdir)
-    trainer.close()
+    build(tiny_config("grpo"), workdir).close()
     assert {"config.json", "tokenizer.model"} <= set(os.listdir(workdir))
 
 
@@ -68,7 +71,7 @@ def test_eval_never_trains_and_refuses_a_run_without_checkpoints(tmp_path):
     workdir = str(tmp_path / "run")
     c = tiny_config("grpo")
     c.warmstart.update(steps=2, tasks=4, batch_episodes=2)
-    trainer_lib.Trainer(c, workdir).close()  # a started run: config.json, no warm start, no checkpoint
+    build(c, workdir).close()  # a started run: config.json, no warm start, no checkpoint
     before = sorted(os.listdir(workdir))
     with pytest.raises(FileNotFoundError, match="has no checkpoint yet; pass --checkpoint=0"):
         eval_run(c, workdir)
@@ -82,8 +85,8 @@ def test_eval_never_trains_and_refuses_a_run_without_checkpoints(tmp_path):
 def test_a_small_evaluation_covers_the_task_families():
     ids = list(range(10))
     family = {i: "a" if i < 6 else "b" if i < 9 else "c" for i in ids}
-    assert trainer_lib.stratified(ids, 4, family.get) == [0, 6, 9, 1]
-    assert trainer_lib.stratified(ids, 20, family.get) == [0, 6, 9, 1, 7, 2, 8, 3, 4, 5]
+    assert stratified(ids, 4, family.get) == [0, 6, 9, 1]
+    assert stratified(ids, 20, family.get) == [0, 6, 9, 1, 7, 2, 8, 3, 4, 5]
 
 
 def test_eval_binary_refuses_a_directory_that_is_no_run_in_one_line(tmp_path):
@@ -96,12 +99,12 @@ def test_eval_binary_refuses_a_directory_that_is_no_run_in_one_line(tmp_path):
 def test_the_warm_start_and_evaluation_show_progress(tmp_path, capsys):
     c = tiny_config("grpo")
     c.warmstart.update(steps=2, tasks=8, batch_episodes=4)
-    trainer = trainer_lib.Trainer(c, str(tmp_path / "run"))
+    parts = build(c, str(tmp_path / "run"))
     try:
-        trainer.warmstart(progress=True)
-        trainer.evaluate(0, progress=True)
+        warmstart(parts, progress=True)
+        evaluate(parts, 0, progress=True)
     finally:
-        trainer.close()
+        parts.close()
     err = capsys.readouterr().err
     assert "warm start" in err and "2/2" in err
     assert "eval step 0 (episodes)" in err and "2/2" in err.split("eval step 0")[-1]
@@ -128,12 +131,12 @@ def test_a_run_refuses_another_config_but_not_fields_added_since(tmp_path):
 
     workdir = str(tmp_path / "run")
     c = tiny_config("grpo")
-    trainer_lib.Trainer(c, workdir).close()
+    build(c, workdir).close()
     path = os.path.join(workdir, "config.json")
     saved = json.load(open(path))
     del saved["rollout"]["max_fault_fraction"]  # as written before the field existed
     json.dump(saved, open(path, "w"))
-    trainer_lib.Trainer(c, workdir).close()
+    build(c, workdir).close()
     c.train.learning_rate = 0.5
     with pytest.raises(ConfigError, match=r"holds a run with a different config \(train.learning_rate\)"):
-        trainer_lib.Trainer(c, workdir)
+        build(c, workdir)

@@ -7,8 +7,9 @@ import shutil
 
 import pytest
 
+from cope_jax.build import build
 from cope_jax.runs import train_run
-from cope_jax.trainer import Trainer
+from cope_jax.stages.rl import train
 from models import CheckpointError
 from tests.test_train_e2e import TIMING, tiny_config
 from tests.test_train_e2e import _metrics as _train_records
@@ -50,17 +51,17 @@ def test_a_corrupt_step_stops_with_one_line_then_resumes_from_the_intact_one(str
     shutil.copytree(source, workdir)
     corrupt, detail = CORRUPTIONS[case]
     corrupt(os.path.join(workdir, "checkpoints", "3"))
-    trainer = Trainer(c, workdir)
+    parts = build(c, workdir)
     try:
         with pytest.raises(CheckpointError) as e:
-            trainer.train(progress=False)
+            train(parts, progress=False)
         msg = str(e.value)
         assert "\n" not in msg and msg.startswith("checkpoint step 3 (") and "is unreadable" in msg, msg
         assert detail in msg and msg.endswith("step 2 is intact: rerun with --resume=latest_valid to continue from it")
         assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2", "3"]  # nothing touched
-        trainer.train(progress=False, resume="latest_valid")
+        train(parts, progress=False, resume="latest_valid")
     finally:
-        trainer.close()
+        parts.close()
     assert "resuming from step 2" in capsys.readouterr().err
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2", "3", "3.unreadable"]
     records = [r for r in map(json.loads, open(os.path.join(workdir, "metrics.jsonl"))) if r["kind"] == "train"]

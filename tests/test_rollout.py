@@ -74,6 +74,8 @@ def test_trajectories_hold_exactly_the_sampled_ids(setup, sync):
     for t in trajs:
         assert t.finish_reason in ("done", "max_rounds", "context_full")
         assert t.num_steps == len(t.actions) <= 3
+        # the environment's verdict on each answered action (its step info), for the forecasting filter
+        assert t.rejected == [o == FAMILY.invalid_action_message for o in t.observations[1:]]
         for k, (a, b) in enumerate(t.action_spans):
             end = b + 1 if b < len(t.tokens) and t.tokens[b] == tok.token_id(IM_END) and t.action_mask[b] else b
             in_trajs.append(tuple(t.tokens[a:end].tolist()))
@@ -168,9 +170,9 @@ def test_prefetched_resets_are_picked_up_by_the_next_batch(setup, sync):
         def __getattr__(self, name):
             return getattr(pool, name)
 
-        def submit_reset(self, episode, family, task_id, max_steps=None):
+        def submit_reset(self, episode, family, task_id, max_rounds=None):
             resets.append(task_id)
-            pool.submit_reset(episode, family, task_id, max_steps=max_steps)
+            pool.submit_reset(episode, family, task_id, max_rounds=max_rounds)
 
     cfg = RolloutConfig(max_rounds=3, max_turn_tokens=6, sync=sync)
     runner = RolloutRunner(sampler, Counted(), "builtin", FAMILY, chat, cfg)
@@ -219,8 +221,8 @@ class OneResultPerPoll:
         self.buffer = self.buffer or self.pool.poll(timeout)
         return [self.buffer.pop(0)] if self.buffer else []
 
-    def pending(self):
-        return self.pool.pending() + len(self.buffer)
+    def outstanding(self):
+        return self.pool.outstanding() + len(self.buffer)
 
 
 def test_first_sampler_call_waits_for_the_results_that_can_join(setup):
@@ -265,15 +267,15 @@ def test_expert_demonstrations_with_mistakes_teach_recovery_not_the_mistake(setu
     assert len(demos) == 8 and all(d.success for d in demos)
     slips = 0
     for d in demos:
-        want = FAMILY.expert_actions(int(d.task_id))
+        want = FAMILY.expert_actions(d.task_id)
         taken = []
         for k, (start, end) in enumerate(d.action_spans):
             if d.action_mask[start:end].any():  # an expert turn: trained on
-                assert d.action_mask[start:end].all()
+                assert d.action_mask[start:end].all() and not d.was_rejected(k)
                 taken.append(d.metadata["replies"][k])
             else:  # a broken one: context only, and the environment rejected it
                 slips += 1
-                assert d.observations[k + 1] == FAMILY.invalid_action_message
+                assert d.observations[k + 1] == FAMILY.invalid_action_message and d.was_rejected(k)
                 broken, fixed = d.metadata["replies"][k], d.metadata["replies"][k + 1]
                 assert broken in (fixed.rpartition(" ")[0], f"{fixed} it")  # the next action, broken
         assert taken == want
@@ -296,9 +298,9 @@ def test_dawdling_demonstrations_train_the_idle_action_within_the_round_limit(se
         assert len(replies) <= 12  # idling never costs a demonstration its success
         for start, end in d.action_spans:  # every turn is trained, the idle ones too
             assert d.action_mask[start:end].all()
-        assert [r for r in replies if r != FAMILY.idle_action] == FAMILY.expert_actions(int(d.task_id))
+        assert [r for r in replies if r != FAMILY.idle_action] == FAMILY.expert_actions(d.task_id)
         idle += replies.count(FAMILY.idle_action)
-        assert FAMILY.idle_action not in FAMILY.expert_actions(int(d.task_id))
+        assert FAMILY.idle_action not in FAMILY.expert_actions(d.task_id)
     assert idle > 0
     plain = expert_trajectories(runner, ids[:2], max_rounds=12, seed=2)
     assert [d.metadata["replies"] for d in plain] == [FAMILY.expert_actions(int(t)) for t in ids[:2]]
@@ -309,3 +311,28 @@ def test_dawdling_demonstrations_train_the_idle_action_within_the_round_limit(se
     with pytest.raises(ValueError, match="idle_action"):
         expert_trajectories(RolloutRunner(sampler, pool, "builtin", NoIdle(), chat, RolloutConfig(max_rounds=12)),
                             ids[:1], max_rounds=12, dawdle=0.5)
+
+
+def test_length_limits_end_episodes_as_context_full(setup):
+    """Tables 9-11's prompt / response limits: an episode past either ends as `context_full`, a
+    failure; what it played until then is exactly what it plays without the limit (same keys)."""
+    tok, chat, sampler, pool = setup
+    tasks = [(t, g) for g, t in enumerate(FAMILY.task_ids("train")[:2]) for _ in range(2)]
+
+    def play(**limits):
+        cfg = RolloutConfig(max_rounds=4, max_turn_tokens=6, sync=True, **limits)
+        return RolloutRunner(sampler, pool, "builtin", FAMILY, chat, cfg).run(tasks, jax.random.key(5))[0]
+
+    free = play()
+    prompts = [int(t.action_spans[0][0]) for t in free]  # instruction, o_0 and the generation prompt
+    responses = [len(t) - p for t, p in zip(free, prompts)]
+    cut = play(max_prompt_len=min(prompts) - 1)
+    assert all(t.finish_reason == "context_full" and t.num_steps == 0 and not t.success for t in cut)
+    assert [t.finish_reason for t in play(max_prompt_len=max(prompts))] == [t.finish_reason for t in free]
+    n = min(responses) - 3
+    for whole, short, p in zip(free, play(max_response_len=n), prompts):
+        assert short.finish_reason == "context_full" and not short.success
+        np.testing.assert_array_equal(short.tokens, whole.tokens[:len(short)])
+        assert len(short) - p >= n and np.flatnonzero(short.action_mask).max() < p + n  # no sampled token past it
+    roomy = play(max_response_len=max(responses) + 1)
+    assert all(np.array_equal(a.tokens, b.tokens) and a.finish_reason == b.finish_reason for a, b in zip(roomy, free))

@@ -57,17 +57,17 @@ def test_every_method_trains_two_steps(method, tmp_path):
 
 def test_pool_gives_every_sampler_row_an_environment(tmp_path):
     """env.envs_per_worker=0 sizes the pool to the sampler (3 workers, 8 rows: 3 slots each)."""
-    from cope_jax.trainer import Trainer
+    from cope_jax.build import build
 
     c = tiny_config("grpo")
     c.env.workers, c.rollout.sampler_rows = 3, 8
     for envs, want in ((0, 9), (1, 3)):
         c.env.envs_per_worker = envs
-        trainer = Trainer(c, str(tmp_path / str(envs)))
+        parts = build(c, str(tmp_path / str(envs)))
         try:
-            assert trainer.pool.capacity("builtin") == want
+            assert parts.pool.capacity("builtin") == want
         finally:
-            trainer.close()
+            parts.close()
 
 
 def _train_cmd(workdir, steps):

@@ -147,22 +147,22 @@ def _params(model):
     return nnx.state(model, nnx.Param)
 
 
-@functools.partial(jax.jit, static_argnames=("with_entropy",))
-def _packed_loss_and_grads(params, batch, coefs, with_entropy):
-    return train_step.loss_and_grads(nnx.merge(GRAPHDEF, params), batch, coefs, LOSS.device_part(),
-                                     with_entropy=with_entropy)
+@jax.jit
+def _packed_loss_and_grads(params, batch, coefs):
+    return train_step.loss_and_grads(nnx.merge(GRAPHDEF, params), batch, LOSS.device_part(), coefs)
 
 
-def packed_loss_and_grads(params, batch, terms, cfg=LOSS):
-    coefs = {t: jnp.float32(c) for t, c in cfg.coefficients(terms).items()}
-    return _packed_loss_and_grads(params, batch, coefs, "entropy" in terms)
+def packed_loss_and_grads(params, batch, cfg=LOSS):
+    """The packed step's loss over the terms the batch carries, with `cfg`'s coefficients."""
+    coefs = {t: jnp.float32(c) for t, c in cfg.coefficients(batch.weights).items()}
+    return _packed_loss_and_grads(params, batch, coefs)
 
 
 def _fill(batch, name, per_sequence, index_to_seq):
-    """Writes per-sequence token values into the packed trajectory rows via traj_index / positions
+    """Writes per-sequence token values into the packed trajectory rows via seq_index / positions
     (forecasting rows, which no old / reference logprob reaches, keep theirs)."""
     out = np.array(getattr(batch, name))
-    idx, pos = np.asarray(batch.traj_index), np.asarray(batch.positions)
+    idx, pos = np.asarray(batch.seq_index), np.asarray(batch.positions)
     for k in np.unique(idx[(idx >= 0) & (idx < len(index_to_seq))]):
         sel = idx == k
         out[sel] = per_sequence[index_to_seq[k]][pos[sel]]
@@ -190,7 +190,7 @@ def _example_id(example):
 
 def _packed(spec, cfg, old, ref, trajs=TRAJS, examples=EXAMPLES, row_len=ROW_LEN, rows=ROWS, micro=MICRO,
             groups_per_minibatch=len(SUCCESS)):
-    exs = list(examples) if spec.forecast else []
+    exs = list(examples) if spec.forecast_kind else []
     mbs, _ = batching.build_minibatches(trajs, exs, spec, cfg, groups_per_minibatch=groups_per_minibatch,
                                         row_len=row_len, rows_per_micro=rows)
     out = []
@@ -234,7 +234,8 @@ def test_step_equals_full_logits_reference(setup, name, overrides):
     adv_seq[:len(TRAJS)] = adv
     coef = reference_coefficients(spec, cfg, kept, ex_ids)
     want_loss, want_grads, _ = reference_loss_and_grads(params, jnp.asarray(coef, jnp.float32), adv_seq, old, ref)
-    loss, grads, sums = packed_loss_and_grads(params, batch, terms, cfg)
+    assert terms == cfg.active_terms(spec.terms)
+    loss, grads, sums = packed_loss_and_grads(params, batch, cfg)
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
     _assert_grads_close(grads, want_grads)
     for term, col in (("pg", PG), ("af", AF), ("rft", RFT), ("echo", ECHO)):
@@ -292,14 +293,14 @@ def test_packing_and_micro_batching_invariance(setup):
     assert not np.array_equal(reordered.tokens, base.tokens)
     assert (np.asarray(base.branch_ids) >= 2).any()  # forecasting examples packed as trees
     # some hang on their own trajectory's row: one segment with policy tokens and branches
-    seg, branch, pg = (np.asarray(a).reshape(-1, ROW_LEN) for a in (base.segment_ids, base.branch_ids, base.pg_weight))
+    seg, branch, pg = (np.asarray(a).reshape(-1, ROW_LEN) for a in (base.segment_ids, base.branch_ids, base.weights["pg"]))
     assert any((branch[r][seg[r] == s] > 0).any() and (pg[r][seg[r] == s] > 0).any()
                for r in range(len(seg)) for s in set(seg[r]) - {0})
     # fewer, longer rows, one per micro-batch: every micro-batch holds a different token set
     assert longer.shape[1:] == (1, 2 * ROW_LEN) and longer.num_micro * 2 * ROW_LEN < base.tokens.size
-    want_loss, want_grads, _ = packed_loss_and_grads(params, base, terms)
+    want_loss, want_grads, _ = packed_loss_and_grads(params, base)
     for batch in variants:
-        loss, grads, _ = packed_loss_and_grads(params, batch, terms)
+        loss, grads, _ = packed_loss_and_grads(params, batch)
         np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
         _assert_grads_close(grads, want_grads)
 
@@ -360,7 +361,7 @@ def test_af_modes_joint_and_sequential(setup):
     np.testing.assert_allclose(metrics[0]["loss"], float(want), rtol=1e-5)
     # the packed forward-only logp equals the reference logp on every trajectory token
     packed = _fill(mbs[0].batch.replace(old_logp=np.zeros_like(logp)), "old_logp", lp0, kept)
-    index = np.asarray(packed.traj_index)
+    index = np.asarray(packed.seq_index)
     real = (index >= 0) & (index < len(kept)) & (np.asarray(packed.branch_ids) == 0)
     assert real.sum() == sum(len(TRAJS[i]) for i in kept)
     np.testing.assert_allclose(logp[real], np.asarray(packed.old_logp)[real], atol=2e-5)
@@ -371,13 +372,13 @@ def test_af_modes_joint_and_sequential(setup):
     learner = train_step.Learner(seq_model, seq_cfg, OPT)
     mbs = _padded_minibatches(spec, seq_cfg)
     assert [m.terms for m in mbs] == [("pg", "kl", "entropy")] * 2 + [("af",)]
-    filled = [learner.fill_logprobs(mb.batch, mb.terms, ref_model)[0] for mb in mbs]
-    for batch, mb in zip(filled[:2], mbs[:2]):
-        m = learner.step(batch, mb.terms)
+    filled = [learner.fill_logprobs(mb.batch, ref_model) for mb in mbs]
+    for batch in filled[:2]:
+        m = learner.step(batch)
         assert "af_loss" not in m
     params2 = jax.tree.map(lambda a: jnp.asarray(np.asarray(a)), _params(seq_model))  # uncommitted, as params0
     opt_state2 = jax.tree.map(np.array, nnx.as_pure(learner.optimizer.opt_state))
-    m = learner.step(filled[2], ("af",))
+    m = learner.step(filled[2])
     assert int(learner.optimizer.step[...]) == 3 and set(m) >= {"af_loss", "grad_norm"} and "pg_loss" not in m
     # the AF step = AdamW (continuing the moments) on lambda * L_AF over all groups at params2
     coef = reference_coefficients(spec, seq_cfg, [], list(range(len(EXAMPLES))), range(len(TRAJS)))
@@ -405,13 +406,13 @@ def test_old_and_ref_logprobs_only_on_policy_micro_batches():
     mbs, _ = batching.build_minibatches(TRAJS, EXAMPLES, spec, LOSS, groups_per_minibatch=len(SUCCESS),
                                         row_len=36, rows_per_micro=2)
     batch, n_traj = mbs[0].batch, mbs[0].num_trajectories
-    idx = np.asarray(batch.traj_index)
+    idx = np.asarray(batch.seq_index)
     kinds = [set((idx[m][idx[m] >= 0] >= n_traj).tolist()) for m in range(batch.num_micro)]
     assert kinds == sorted(kinds, key=lambda k: True in k) and all(len(k) == 1 for k in kinds)
     with_policy = [m for m, k in enumerate(kinds) if k == {False}]
     assert len(with_policy) == 6 and batch.num_micro == 9  # so the passes run on 8, skip 1
     learner = train_step.Learner(fresh_model(), LOSS, OPT)
-    filled, _ = learner.fill_logprobs(batch, mbs[0].terms, fresh_model())
+    filled = learner.fill_logprobs(batch, fresh_model())
     full = np.asarray(learner.logprobs(batch))
     for name in ("old_logp", "ref_logp"):
         got = np.asarray(getattr(filled, name))
@@ -419,8 +420,8 @@ def test_old_and_ref_logprobs_only_on_policy_micro_batches():
         assert not got[8:].any() and full[8:].any()
     # and the step reads them only where policy tokens are: same loss as with every pass run
     complete = filled.replace(old_logp=full, ref_logp=full)
-    a, _, _ = packed_loss_and_grads(_params(fresh_model()), filled, mbs[0].terms)
-    b, _, _ = packed_loss_and_grads(_params(fresh_model()), complete, mbs[0].terms)
+    a, _, _ = packed_loss_and_grads(_params(fresh_model()), filled)
+    b, _, _ = packed_loss_and_grads(_params(fresh_model()), complete)
     np.testing.assert_allclose(float(a), float(b), rtol=1e-6)
 
 
@@ -436,8 +437,8 @@ def test_sharded_step_equals_single_device(setup):
     with jax.set_mesh(mesh):
         placed = train_step.place_batch(batch, mesh)
         assert placed.tokens.sharding.spec[1] == "fsdp"  # rows split over the batch axes
-        m_sharded = train_step.Learner(sharded, LOSS, OPT, mesh=mesh).step(placed, terms)
-    m_single = train_step.Learner(single, LOSS, OPT).step(batch, terms)
+        m_sharded = train_step.Learner(sharded, LOSS, OPT, mesh=mesh).step(placed)
+    m_single = train_step.Learner(single, LOSS, OPT).step(batch)
     for key in ("loss", "pg_loss", "af_loss", "kl", "entropy", "grad_norm"):
         np.testing.assert_allclose(float(m_sharded[key]), float(m_single[key]), rtol=1e-5)
     assert sharded.layers.q_proj[...].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tp", None)
@@ -490,3 +491,77 @@ def test_a_zero_coefficient_switches_kl_and_entropy_off_with_their_metrics():
         assert {k for k in metrics if k in ("kl", "entropy")} == want, metrics
         if kl:
             assert 0 <= metrics["kl"] < 1e-3  # the policy is its own reference at the first step
+
+
+def test_one_policy_minibatch_takes_old_logprobs_in_the_step_with_the_same_numbers():
+    """One mini-batch sampled from the current parameters: `train` skips the old-log-prob pass
+    (old = current, stop-gradient, inside the step) and gives the numbers of the separate pass."""
+    spec = methods.get_method("cope")
+    mbs, _ = batching.build_minibatches(TRAJS, EXAMPLES, spec, LOSS, groups_per_minibatch=len(SUCCESS),
+                                        row_len=ROW_LEN, rows_per_micro=ROWS)
+    assert len(mbs) == 1
+    ref_model = fresh_model()
+    separate = train_step.Learner(fresh_model(), LOSS, OPT)
+    want = separate.step(separate.fill_logprobs(mbs[0].batch, ref_model))
+    skipping = train_step.Learner(fresh_model(), LOSS, OPT)
+    passes = []
+    forward = skipping.logprobs
+    skipping.logprobs = lambda batch, model=None: passes.append(model) or forward(batch, model)
+    [got] = skipping.train(mbs, ref_model)
+    assert passes == [ref_model]  # the reference pass only
+    assert got["ppo_kl"] == 0 and got["pg_clip_frac"] == 0  # ratio exactly 1
+    for key in ("loss", "pg_loss", "kl", "entropy", "af_loss", "grad_norm", "sampler_drift_mean",
+                "sampler_drift_max"):
+        np.testing.assert_allclose(got[key], float(want[key]), rtol=1e-5, atol=1e-7, err_msg=key)
+    for a, b in zip(jax.tree.leaves(_params(separate.model)), jax.tree.leaves(_params(skipping.model))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def test_token_ids_and_advantages_to_a_step_with_any_optax_transform():
+    """The researcher's path: sequences of ids + action masks + advantages -> a packed batch ->
+    loss_and_grads, and a step with a user-supplied optax transform (plain SGD here)."""
+    rng = np.random.RandomState(5)
+    tokens = [rng.randint(1, 64, n) for n in (20, 31, 17)]
+    actions = [np.arange(len(t)) % 4 == 3 for t in tokens]
+    advantages = np.array([1.0, -1.0, 0.5], np.float32)
+    cfg = dataclasses.replace(LOSS, kl_coef=0.0, entropy_coef=0.0)
+    segs = batching.sequence_segments(tokens, actions, advantages, ("pg",), cfg, row_len=ROW_LEN)
+    batch, _ = batching.pack_minibatch(segs, ("pg",), ROW_LEN, rows_per_micro=2)
+    model = fresh_model()
+    params0 = jax.tree.map(np.asarray, nnx.as_pure(_params(model)))
+    loss, grads, _ = jax.jit(lambda m, b: train_step.loss_and_grads(m, b, cfg, on_policy=True))(model, batch)
+    # ratio 1 on every token, seq-mean-token-mean: each sequence's weights sum to 1/3
+    assert float(loss) == pytest.approx(-advantages.mean(), rel=1e-6)
+    metrics = train_step.Learner(model, cfg, optax.sgd(0.1)).step(batch, on_policy=True)
+    assert float(metrics["loss"]) == pytest.approx(float(loss), rel=1e-6)
+    for p, p0, g in zip(jax.tree.leaves(nnx.as_pure(_params(model))), jax.tree.leaves(params0),
+                        jax.tree.leaves(nnx.as_pure(grads))):
+        np.testing.assert_allclose(np.asarray(p), p0 - 0.1 * np.asarray(g), atol=1e-6)
+
+
+def test_per_term_gradient_norms_equal_a_direct_computation(setup):
+    """grad_norm_pg / grad_norm_af: the norm of each term's own gradient (coefficient included),
+    against the full-logits reference with only that term's column."""
+    _, params, _, _ = setup
+    spec = methods.get_method("cope")
+    cfg = dataclasses.replace(LOSS, grad_norm_terms=("af", "pg"))
+    mbs, _ = batching.build_minibatches(TRAJS, EXAMPLES, spec, cfg, groups_per_minibatch=len(SUCCESS),
+                                        row_len=ROW_LEN, rows_per_micro=ROWS)
+    learner = train_step.Learner(fresh_model(), cfg, OPT)
+    [metrics] = learner.train(mbs, fresh_model())  # one mini-batch: old = current logp
+    _, _, lp0 = reference_loss_and_grads(params, jnp.zeros((len(SEQS), 6)), jnp.zeros(len(SEQS)),
+                                         jnp.zeros(TOKENS.shape), jnp.zeros(TOKENS.shape))
+    adv, _ = batching.compute_advantages(spec, TRAJS, cfg)
+    adv_seq = np.r_[adv, np.zeros(len(EXAMPLES))].astype(np.float32)
+    coef = reference_coefficients(spec, cfg, list(range(len(TRAJS))), list(range(len(EXAMPLES))))
+    norms = {}
+    for term, col in (("pg", PG), ("af", AF), ("all", slice(None))):
+        only = np.zeros_like(coef)
+        only[:, col] = coef[:, col]
+        _, grads, _ = reference_loss_and_grads(params, jnp.asarray(only, jnp.float32), adv_seq, lp0, lp0)
+        norms[term] = float(optax.tree.norm(grads))
+    assert norms["pg"] > 0 and norms["af"] > 0
+    np.testing.assert_allclose(metrics["grad_norm_pg"], norms["pg"], rtol=1e-4)
+    np.testing.assert_allclose(metrics["grad_norm_af"], norms["af"], rtol=1e-4)
+    np.testing.assert_allclose(metrics["grad_norm"], norms["all"], rtol=1e-4)
+    assert "grad_norm_kl" not in metrics

@@ -4,8 +4,8 @@
 global (data, fsdp, tp) mesh, each host's block of it for the sampler, the micro-batch rows) and
 returns, per program, a function that lowers **the trainer's own jitted function** on abstract
 arrays: `train_step.step_program` (the RL step and, when configured, the warm start's),
-`train_step.logprobs_program` (old / reference log-probs) and the sampler's `_prefill` and
-`_decode_loop` (`Sampler.lower`). Nothing is allocated.
+`train_step.logprobs_program` (old / reference log-probs) and the sampler's `decode.prefill` and
+`decode.decode_loop` (`Sampler.lower`). Nothing is allocated.
 
 Each program also carries what the planner needs beside the compiler: the trip counts of its loops
 (`models/loops.py`), the tokens one call processes, the buffers that stay in memory while it runs
@@ -28,7 +28,7 @@ from flax import nnx
 from cope_jax import distributed, run_config
 from cope_jax import train_step as ts
 from cope_jax.logprobs import chunk_positions
-from cope_jax.methods import TERMS, get_method
+from cope_jax.methods import get_method, needing
 from cope_jax.sampler import Sampler
 from models import attention as attn
 from models import qwen
@@ -96,7 +96,7 @@ def run_programs(c: ml_collections.ConfigDict, model_cfg: QwenConfig, devices, m
     frozen_cfg = qwen.frozen_config(model_cfg)
     replica = qwen.abstract_placed_model(frozen_cfg, host_mesh) if hosts > 1 else None
     spec = get_method(c.method, horizon=None if c.train.horizon < 0 else int(c.train.horizon))
-    needs_reference = "kl" in run_config.loss_config(c).active_terms(spec.terms)
+    needs_reference = bool(needing(run_config.loss_config(c).active_terms(spec.terms), "ref_logp"))
     reference = per_chip_bytes(_params(qwen.abstract_placed_model(frozen_cfg, mesh))) if needs_reference else 0
     layout = Layout(mesh=mesh, host_mesh=host_mesh, hosts=hosts, rows_per_micro=run_config.rows_per_micro(c, mesh),
                     params_bytes=params_bytes, optimizer_bytes=opt_bytes,
@@ -110,8 +110,6 @@ def run_programs(c: ml_collections.ConfigDict, model_cfg: QwenConfig, devices, m
 # -- the trainer's programs --------------------------------------------------------------------------
 def _trainer_programs(c, model_cfg, layout: Layout, graphdef, state, spec) -> list[Program]:
     mesh, rows, T = layout.mesh, layout.rows_per_micro, int(c.train.row_len)
-    batch = ts.abstract_batch((1, rows, T), mesh)
-    coefs = {t: jax.ShapeDtypeStruct((), jnp.float32) for t in TERMS}
     shardings = jax.tree.map(lambda a: a.sharding, state)
     ways = _row_ways(rows, mesh) * _tp(mesh)
     loss = run_config.loss_config(c)
@@ -122,15 +120,18 @@ def _trainer_programs(c, model_cfg, layout: Layout, graphdef, state, spec) -> li
     loops.update(_attention_loop(model_cfg, T, T, True, platform))
     shape = f"{rows} x {T}"
 
-    def step(loss_cfg, with_entropy):
-        program = ts.step_program(graphdef, shardings, loss_cfg, with_entropy, mesh)
+    def step(loss_cfg, method):
+        terms = loss_cfg.active_terms(method.terms)
+        batch = ts.abstract_batch((1, rows, T), terms, mesh)
+        coefs = {t: jax.ShapeDtypeStruct((), jnp.float32) for t in terms}
+        program = ts.step_program(graphdef, shardings, loss_cfg, mesh)
         return lambda: program.lower(state, batch, coefs)
 
     model_def, params = _model_part(graphdef, state)
     logprobs = ts.logprobs_program(model_def, loss, mesh)
-    with_entropy = "entropy" in loss.active_terms(spec.terms)
+    batch = ts.abstract_batch((1, rows, T), (), mesh)
     out = [
-        Program("train_step", step(loss, with_entropy), shape, rows * T, train_loops, layout.params_bytes,
+        Program("train_step", step(loss, spec), shape, rows * T, train_loops, layout.params_bytes,
                 layout.optimizer_bytes, layout.reference_bytes + layout.replica_bytes,
                 _train_flops(model_cfg, T, platform) * rows * T / ways),
         Program("logprobs", lambda: logprobs.lower(params, batch), shape, rows * T, loops, layout.params_bytes, 0,
@@ -139,7 +140,7 @@ def _trainer_programs(c, model_cfg, layout: Layout, graphdef, state, spec) -> li
     ]
     if c.warmstart.steps > 0:
         ws_loss, _ = run_config.warmstart_configs(c)
-        out.append(Program("warmstart_step", step(ws_loss, False), shape, rows * T, train_loops, layout.params_bytes,
+        out.append(Program("warmstart_step", step(ws_loss, get_method("warmstart")), shape, rows * T, train_loops, layout.params_bytes,
                            layout.optimizer_bytes, layout.replica_bytes,
                            _train_flops(model_cfg, T, platform) * rows * T / ways))
     return out

@@ -1,0 +1,202 @@
+"""The RL stage of the configured method.
+
+One RL step (SPEC 2-4):
+  1. take the next `tasks_per_step` train tasks from a seeded, checkpointed grain iterator;
+  2. roll out `group_size` episodes per task (`cope_jax/rollout.py`; group = the rollouts of a task);
+  3. build forecasting / imitation examples from the successful ones when the method has them
+     (`cope_jax/forecasting.py`);
+  4. advantages and PPO mini-batches of packed rows (`cope_jax/batching.py`), one AdamW step per
+     mini-batch (`cope_jax/train_step.py: Learner`), `old_logp` from the rollout policy and
+     `ref_logp` from the frozen reference (the policy the RL stage started from);
+  5. log, checkpoint every `checkpoint.every` steps, evaluate every `eval.every` steps.
+
+Everything a step depends on is either in the checkpoint (params, optimizer state, RNG key, data
+iterator state) or a pure function of the step number (the rollout key), so a killed run resumed
+from its workdir continues exactly; with `rollout.sync` the rollouts themselves are bit-reproducible.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import grain
+import jax
+import numpy as np
+from flax import nnx
+
+import models
+from models.config import ConfigError
+from models.safetensors_io import CheckpointError
+from cope_jax import distributed
+from cope_jax import faults as faults_lib
+from cope_jax.build import Components
+from cope_jax.checkpoint import TrainCheckpointer
+from cope_jax.forecasting import build_examples
+from cope_jax.methods import needing
+from cope_jax.progress import Bar, say
+from cope_jax.stages.evaluate import evaluate
+from cope_jax.stages.loop import learn, rollout, runner, step_loop
+from cope_jax.train_step import Learner
+
+CHECKPOINT_DIR = "checkpoints"
+RESUME_MODES = ("latest", "latest_valid")  # train(resume=...): see resume_from
+
+
+def train(parts: Components, progress: bool = True, resume: str = "latest") -> dict[str, Any]:
+    """Runs the RL steps left, from the newest checkpoint in the workdir (`resume`: `resume_from`).
+    Returns the summary of the last evaluation it ran ({} if none)."""
+    c = parts.config
+    needs_ref = bool(needing(parts.loss_cfg.active_terms(parts.spec.terms), "ref_logp"))
+    # the policy RL starts from; its own buffers (the learner donates the policy's)
+    ref_model = models.qwen.frozen_copy(parts.model) if needs_ref else None
+    learner = Learner(parts.model, parts.loss_cfg, parts.opt_cfg, mesh=parts.mesh)
+    tasks = _TaskBatches(parts)
+    ckpt = TrainCheckpointer(os.path.join(parts.workdir, CHECKPOINT_DIR), keep=c.checkpoint.keep)
+    start, base_key = _restore(parts, ckpt, learner, tasks, resume)
+    train_runner = runner(parts, "train")
+    bar = Bar(start, c.train.steps, enabled=progress and parts.is_main)
+    summary: dict[str, Any] = {}
+
+    def evaluates(n: int) -> bool:  # after step n (1-based)
+        return bool(c.eval.every) and (n % c.eval.every == 0 or n == c.train.steps)
+
+    def step(i: int) -> dict[str, float]:
+        t0 = time.time()
+        plan = _plan(c, i, tasks.take())
+        # the next batch's environments reset during this one, unless an evaluation (another
+        # runner on the same pool) comes between them
+        next_plan = []
+        if c.rollout.prefetch_resets and i + 1 < c.train.steps and not evaluates(i + 1):
+            next_plan = _plan(c, i + 1, tasks.peek())
+        trajs, rstats = rollout(parts, train_runner, plan, jax.random.fold_in(base_key, i), next_plan)
+        trajs, faults = faults_lib.drop(trajs, parts.max_fault_fraction, what=f"step {i + 1}")
+        t1 = time.time()
+        examples = build_examples(trajs, parts.chat, parts.forecast_cfg) if parts.forecast_cfg else []
+        metrics, host, mbs = learn(parts, learner, parts.loss_cfg, parts.spec, trajs, examples,
+                                   groups_per_minibatch=c.train.minibatch_tasks, ref_model=ref_model)
+        record = _step_record(trajs, metrics, host, examples, rstats, mbs, t1 - t0, time.time() - t1)
+        return record | faults.record()
+
+    def after(n: int) -> None:
+        nonlocal summary
+        if n % c.checkpoint.every == 0 or n == c.train.steps:
+            ckpt.save(n, _state(parts, learner, base_key), data_state=tasks.state, config=json.loads(c.to_json()))
+        if evaluates(n):
+            summary = evaluate(parts, n)
+            bar.note(f"eval step {n}: succ {summary['succ']:.3f} score {summary['score']:.3f}")
+
+    step_loop(parts, "train", range(start, c.train.steps), step, bar, after=after)
+    ckpt.wait()
+    ckpt.close()
+    return summary
+
+
+def _plan(c, step: int, task_ids: list[int]) -> list[tuple[int, int]]:
+    """(task, group) of each episode of a step; groups are numbered across steps."""
+    return [(t, step * len(task_ids) + i) for i, t in enumerate(task_ids) for _ in range(c.rollout.group_size)]
+
+
+class _TaskBatches:
+    """Each step's train task ids, from a seeded grain iterator whose state the checkpoints keep.
+    `peek` draws the next step's ahead of it (to reset its environments early); `state` is the
+    iterator's state after the batch `take` returned last."""
+
+    def __init__(self, parts: Components):
+        c = parts.config
+        ids = parts.family.task_ids(c.env.train_split)
+        ds = (grain.MapDataset.source(list(ids)).shuffle(seed=c.seed).repeat()
+              .batch(c.rollout.tasks_per_step).to_iter_dataset())
+        self._it = iter(ds)
+        self._peeked = None  # the next step's task ids and the state after them, when drawn ahead
+        self.state = None
+
+    def take(self) -> list[int]:
+        if self._peeked is None:
+            self._peeked = self._draw()
+        (ids, self.state), self._peeked = self._peeked, None
+        return ids
+
+    def peek(self) -> list[int]:
+        self._peeked = self._draw()
+        return self._peeked[0]
+
+    def restore(self, state) -> None:
+        self._it.set_state(state)
+
+    def _draw(self) -> tuple[list[int], Any]:
+        return [int(t) for t in next(self._it)], self._it.get_state()
+
+
+def _state(parts: Components, learner: Learner, key) -> dict[str, Any]:
+    """What a checkpoint holds besides the data state."""
+    return {"params": nnx.state(parts.model, nnx.Param), "optimizer": nnx.state(learner.optimizer), "rng": key}
+
+
+def _restore(parts: Components, ckpt: TrainCheckpointer, learner: Learner, tasks: _TaskBatches,
+             resume: str) -> tuple[int, Any]:
+    """-> (the first step to run, the run's base RNG key): restored from the newest readable checkpoint
+    into the policy, optimizer and task iterator, or 0 and the seed's key in a run without checkpoints."""
+    base_key = distributed.replicate(jax.random.key(parts.config.seed), parts.mesh)
+    try:
+        restored = resume_from(ckpt, _state(parts, learner, base_key), resume, parts.is_main)
+    except (CheckpointError, ConfigError):
+        ckpt.close()
+        raise
+    if restored is None:
+        return 0, base_key
+    start, state, data_state, _ = restored
+    nnx.update(parts.model, state["params"])
+    nnx.update(learner.optimizer, state["optimizer"])
+    tasks.restore(data_state)
+    return start, state["rng"]
+
+
+def resume_from(ckpt: TrainCheckpointer, abstract: dict, resume: str, is_main: bool):
+    """-> `ckpt.restore`'s (step, state, data_state, config) of the newest readable step, or None in
+    a run without checkpoints. An unreadable newest step stops the run, naming it, what is wrong
+    and the newest intact step, unless resume='latest_valid': then the unreadable steps are set
+    aside (renamed, never deleted) and the run continues from the intact one."""
+    if resume not in RESUME_MODES:
+        raise ConfigError(f"--resume={resume}: expected one of {RESUME_MODES}")
+    unreadable = []
+    for step in reversed(ckpt.all_steps()):
+        try:
+            restored = ckpt.restore(step, abstract_state=abstract)
+        except CheckpointError as e:
+            unreadable.append((step, e))
+            continue
+        if unreadable and resume != "latest_valid":
+            raise CheckpointError(f"{unreadable[0][1]}; step {step} is intact: rerun with "
+                                  "--resume=latest_valid to continue from it")
+        for bad, _ in unreadable:
+            moved = ckpt.set_aside(bad) if is_main else ""
+            say(f"set aside unreadable checkpoint step {bad} as {os.path.basename(moved)}", is_main)
+        say(f"resuming from step {step} ({ckpt.step_dir(step)})", is_main)
+        return restored
+    if unreadable:
+        raise CheckpointError(f"{unreadable[0][1]}; no intact checkpoint to resume from (move "
+                              f"{ckpt.workdir} aside to start over)")
+    return None
+
+
+def _step_record(trajs, step_metrics, host, examples, rstats, mbs, rollout_s, train_s) -> dict[str, float]:
+    """The train step's record: episodes, batch statistics, throughput and the optimizer steps' mean
+    metrics."""
+    n = max(1, len(trajs))
+    rec = {"succ": float(np.mean([t.success for t in trajs])) if trajs else 0.0,
+           "score": float(np.mean([t.score for t in trajs])) if trajs else 0.0,
+           "mean_steps": sum(t.num_steps for t in trajs) / n,
+           "context_full": sum(t.finish_reason == "context_full" for t in trajs) / n,
+           "af_examples": float(len(examples)), "minibatches": float(len(mbs)),
+           "rollout_s": rollout_s, "train_s": train_s,
+           "gen_tokens_per_s": rstats.generated_tokens / max(rstats.wall_s, 1e-9),
+           "env_steps_per_s": rstats.env_steps / max(rstats.wall_s, 1e-9),
+           **{k: float(v) for k, v in host.items()}}
+    tokens = sum(float(m.batch.segment_ids.astype(bool).sum()) for m in mbs)
+    rec["train_tokens_per_s"] = tokens / max(train_s, 1e-9)
+    if step_metrics:
+        for k in step_metrics[0]:
+            rec[k] = float(np.mean([m[k] for m in step_metrics if k in m]))
+    return rec

@@ -1,0 +1,255 @@
+"""The paper's ablations (section 8) on one shared warm start: `python -m launch.bench --suite=ablation`.
+
+  python -m launch.bench --suite=ablation [--ablation_dir=runs/ablation] [--ablation_arms=grpo,cope_k2,...]
+      [--ablation_seeds=0,1,2] [--ablation_config=configs/demo.py] [--ablation_steps=N]
+      [--ablation_eval_every=5] [--ablation_eval_tasks=N] [--ablation_report_only]
+
+Arms (`ARMS`): GRPO; CoPE at K in {0, 1, 2, 4}; lambda in {1e-4, 1e-3, 1e-2, 1e-1} at K = 2; CoPE
+without group normalization; `sft_success`; `cope_k0` with the invalid-action filter; CoPE with
+`af_mode=sequential`. Each arm is the config's method with one field changed, nothing else: one warm
+start (written once under the sweep directory, by the config's own seed), one RL setting, RL seeds
+config seed + s. Arms whose settings coincide (the config's lambda is one of the sweep's) run once
+per invocation, their results shared.
+Every run reports its policy and forecasting terms' own gradient norms (`train.grad_norm_terms`).
+
+Resumable and shardable: each (arm, seed) run lives in `<dir>/<arm>_seed<s>/` and resumes from its
+checkpoints; a finished one writes `<dir>/results/<arm>_seed<s>.jsonl` (its evaluation points and
+step records, tagged with arm and seed) and is skipped afterwards. Several hosts sharing the
+directory can run disjoint `--ablation_arms` / `--ablation_seeds` after one of them has written the
+warm start (`--ablation_arms=` with no arm does only that). The report (`--ablation_report_only`
+reads the results without running anything) prints one JSON line per arm and writes `ablation.md`
+(the table) and `ablation.png` (mean test success per arm with a band of one standard error, as the
+paper's Figure 8) to the sweep directory; every number in them is recomputed from the results files.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import importlib.util
+import json
+import math
+import os
+import shutil
+
+from absl import flags
+
+from cope_jax import metrics as metrics_lib
+
+flags.DEFINE_string("ablation_dir", "runs/ablation", "Sweep directory (runs, results, report).")
+flags.DEFINE_list("ablation_arms", None, "Arms to run (default: all of ARMS); empty: only the warm start.")
+flags.DEFINE_list("ablation_seeds", ["0", "1", "2"], "RL seeds (offsets to the config's seed).")
+flags.DEFINE_string("ablation_config", "configs/demo.py", "Config file (its get_config(method)).")
+flags.DEFINE_integer("ablation_steps", 0, "RL steps per run (0: the config's train.steps).")
+flags.DEFINE_integer("ablation_eval_every", 5, "Evaluate the test split every this many steps.")
+flags.DEFINE_integer("ablation_eval_tasks", 0, "Test tasks per evaluation (0: the whole split).")
+flags.DEFINE_bool("ablation_report_only", False, "Only report the results already in --ablation_dir.")
+FLAGS = flags.FLAGS
+
+REFERENCE = "grpo"
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    name: str
+    method: str
+    overrides: tuple = ()  # ((config field, value), ...): the one setting this arm changes
+
+
+ARMS = [Arm("grpo", "grpo")] + [
+    Arm(f"cope_k{k}", "cope", (("train.horizon", k),)) for k in (0, 1, 2, 4)] + [
+    Arm(f"cope_lambda_{lam:g}", "cope", (("train.horizon", 2), ("train.af_coef", lam)))
+    for lam in (1e-4, 1e-3, 1e-2, 1e-1)] + [
+    Arm("cope_no_group_norm", "cope", (("train.af_group_norm", False),)),
+    Arm("sft_success", "sft_success"),
+    Arm("cope_k0_filtered", "cope_k0", (("train.skip_invalid", True),)),
+    Arm("cope_sequential", "cope", (("train.af_mode", "sequential"),)),
+]
+ARMS_BY_NAME = {a.name: a for a in ARMS}
+
+
+def arm_config(arm: Arm, seed: int):
+    """The config of one (arm, seed) run: the sweep's shared settings, then the arm's one change."""
+    spec = importlib.util.spec_from_file_location("ablation_config", FLAGS.ablation_config)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    c = module.get_config(arm.method)
+    c.seed += seed
+    if FLAGS.ablation_steps:
+        c.train.steps = FLAGS.ablation_steps
+    c.eval.update(every=FLAGS.ablation_eval_every, tasks=FLAGS.ablation_eval_tasks)
+    c.checkpoint.every = FLAGS.ablation_eval_every  # a killed sweep loses at most this many steps
+    for field, value in arm.overrides:
+        section, name = field.split(".")
+        c[section][name] = value
+    c.train.grad_norm_terms = ("pg", "af") if arm.method != "grpo" else ("pg",)
+    return c
+
+
+def _settings(c) -> str:
+    """What a run computes (seed included), to spot arms that are the same run."""
+    return json.dumps(json.loads(c.to_json()), sort_keys=True)
+
+
+# -- running -----------------------------------------------------------------------------------------
+def _warmstart(root: str) -> str:
+    """The shared warm start (a zero-step run of the reference arm), written once."""
+    from cope_jax.runs import train_run
+    from cope_jax.stages.warmstart import WARMSTART_DIR
+
+    warm = os.path.join(root, "warmstart_run")
+    if not os.path.isdir(os.path.join(warm, WARMSTART_DIR)):
+        c = arm_config(ARMS_BY_NAME[REFERENCE], 0)
+        c.train.steps, c.eval.every = 0, 0  # every RL run evaluates its own step 0
+        train_run(c, warm, progress=False)
+    return os.path.join(warm, WARMSTART_DIR)
+
+
+def _run(arm: Arm, seed: int, root: str, warm: str, same_as: dict) -> None:
+    """One (arm, seed) run, resumed if it was interrupted; its results file marks it done."""
+    from cope_jax.runs import train_run
+    from cope_jax.stages.warmstart import WARMSTART_DIR
+
+    results = os.path.join(root, "results", f"{arm.name}_seed{seed}.jsonl")
+    if os.path.isfile(results):
+        return
+    config = arm_config(arm, seed)
+    key = _settings(config)
+    if key in same_as:  # another arm of this sweep is this very run: share its records
+        _write_results(results, arm, seed, same_as[key])
+        return
+    workdir = os.path.join(root, f"{arm.name}_seed{seed}")
+    if not os.path.isdir(os.path.join(workdir, WARMSTART_DIR)):
+        shutil.copytree(warm, os.path.join(workdir, WARMSTART_DIR))
+    train_run(config, workdir, progress=False)
+    same_as[key] = workdir
+    _write_results(results, arm, seed, workdir)
+
+
+def _write_results(path: str, arm: Arm, seed: int, workdir: str) -> None:
+    """The run's evaluation points and step records, tagged; written whole, then renamed."""
+    log = metrics_lib.read_log(workdir)
+    lines = [{"arm": arm.name, "seed": seed, "kind": kind, "step": step,
+              **{k: v for k, v in r.items() if k not in ("kind", "step") and isinstance(v, (int, float))}}
+             for kind in ("eval", "train") for step, r in sorted(metrics_lib.latest_records(log, kind).items())]
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        for line in lines:
+            f.write(json.dumps(line) + "\n")
+    os.replace(path + ".tmp", path)
+
+
+# -- reporting ---------------------------------------------------------------------------------------
+def read_results(root: str) -> list[dict]:
+    out = []
+    for path in sorted(glob.glob(os.path.join(root, "results", "*.jsonl"))):
+        with open(path) as f:
+            out += [json.loads(line) for line in f if line.strip()]
+    return out
+
+
+def curves(records: list[dict]) -> dict[str, dict[int, dict[int, float]]]:
+    """{arm: {seed: {step: test success}}} from the evaluation records (the latest per step)."""
+    out: dict[str, dict[int, dict[int, float]]] = {}
+    for r in records:
+        if r["kind"] == "eval":
+            out.setdefault(r["arm"], {}).setdefault(r["seed"], {})[r["step"]] = float(r["succ"])
+    return out
+
+
+def _mean_se(values: list[float]) -> tuple[float, float]:
+    n = len(values)
+    mean = sum(values) / n
+    var = sum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else 0.0
+    return mean, math.sqrt(var / n)
+
+
+def table(records: list[dict], reference: str = REFERENCE) -> list[dict]:
+    """Per arm: final test success (mean and standard error over seeds), the first step whose mean
+    success reaches the reference arm's final mean (None: never), the largest gradient norm of any
+    step (and of each term's), over the steps every seed evaluated."""
+    by_arm = curves(records)
+    finals: dict[str, float] = {}
+    rows = []
+    for arm, by_seed in by_arm.items():
+        steps = sorted(set.intersection(*(set(c) for c in by_seed.values())))
+        mean_curve = {s: _mean_se([c[s] for c in by_seed.values()]) for s in steps}
+        finals[arm] = mean_curve[steps[-1]][0]
+        train = [r for r in records if r["arm"] == arm and r["kind"] == "train"]
+        row = {"arm": arm, "seeds": len(by_seed), "final_step": steps[-1],
+               "final_succ_mean": round(mean_curve[steps[-1]][0], 4),
+               "final_succ_se": round(mean_curve[steps[-1]][1], 4),
+               "mean_curve": {str(s): round(m, 4) for s, (m, _) in mean_curve.items()}}
+        for key in ("grad_norm", "grad_norm_pg", "grad_norm_af"):
+            values = [r[key] for r in train if key in r]
+            row[f"max_{key}"] = round(max(values), 4) if values else None
+        rows.append(row)
+    target = finals.get(reference)
+    for row in rows:
+        reached = [int(s) for s, m in row["mean_curve"].items() if int(s) > 0 and target is not None
+                   and m >= target - 1e-9]
+        row["steps_to_reference"] = reached[0] if reached else None
+    return rows
+
+
+def _markdown(rows: list[dict]) -> str:
+    head = ("| arm | seeds | final succ (mean ± s.e.) | steps to GRPO's final | max grad norm | max pg / af |\n"
+            "| --- | --- | --- | --- | --- | --- |\n")
+    body = "".join(
+        f"| {r['arm']} | {r['seeds']} | {r['final_succ_mean']:.3f} ± {r['final_succ_se']:.3f} | "
+        f"{r['steps_to_reference'] if r['steps_to_reference'] is not None else 'never'} | "
+        f"{r['max_grad_norm']} | {r['max_grad_norm_pg']} / {r['max_grad_norm_af']} |\n" for r in rows)
+    return head + body
+
+
+def _plot(records: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, (arm, by_seed) in enumerate(curves(records).items()):
+        steps = sorted(set.intersection(*(set(c) for c in by_seed.values())))
+        stats = [_mean_se([c[s] for c in by_seed.values()]) for s in steps]
+        mean = [m for m, _ in stats]
+        ax.plot(steps, mean, marker="o", color=f"C{i % 10}", ls="-" if i < 10 else "--", label=f"{arm} ({len(by_seed)})")
+        ax.fill_between(steps, [m - e for m, e in stats], [m + e for m, e in stats], color=f"C{i % 10}", alpha=0.15)
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("test success rate (mean ± s.e. over seeds)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def report(root: str) -> list[dict]:
+    records = read_results(root)
+    if not records:
+        raise ValueError(f"{root}: no results yet (results/*.jsonl); run some arms first")
+    rows = table(records)
+    for row in rows:
+        print(json.dumps({"suite": "ablation"} | row), flush=True)
+    with open(os.path.join(root, "ablation.md"), "w") as f:
+        f.write(_markdown(rows))
+    _plot(records, os.path.join(root, "ablation.png"))
+    return rows
+
+
+def run(argv: list[str]) -> None:
+    del argv
+    root = FLAGS.ablation_dir
+    if not FLAGS.ablation_report_only:
+        names = [a.name for a in ARMS] if FLAGS.ablation_arms is None else FLAGS.ablation_arms
+        unknown = [n for n in names if n not in ARMS_BY_NAME]
+        if unknown:
+            raise ValueError(f"--ablation_arms: unknown arms {unknown}; expected some of {list(ARMS_BY_NAME)}")
+        os.makedirs(root, exist_ok=True)
+        warm = _warmstart(root)
+        same_as: dict = {}
+        for seed in (int(s) for s in FLAGS.ablation_seeds):
+            for name in names:
+                _run(ARMS_BY_NAME[name], seed, root, warm, same_as)
+        if not names:
+            return
+    report(root)

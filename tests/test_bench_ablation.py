@@ -1,0 +1,85 @@
+"""The ablation sweep: its arms change one field each, it resumes and shares identical runs, and its
+table (means, standard errors, steps to GRPO, gradient norms) is recomputed from its JSON lines."""
+import json
+import math
+import os
+
+import pytest
+from absl import flags
+
+from launch import bench_ablation as ab
+
+
+@pytest.fixture
+def sweep_flags(tmp_path):
+    f = flags.FLAGS
+    if not f.is_parsed():
+        f.mark_as_parsed()
+    saved = {k: getattr(f, k) for k in ("ablation_dir", "ablation_arms", "ablation_seeds", "ablation_steps")}
+    f.ablation_dir, f.ablation_steps = str(tmp_path / "sweep"), 4
+    yield f
+    for k, v in saved.items():
+        setattr(f, k, v)
+
+
+def test_each_arm_changes_only_its_own_settings(sweep_flags):
+    """An arm's config is its method's sweep config (shared steps, evaluation, seed) with exactly
+    the fields it names changed."""
+    for arm in ab.ARMS:
+        c = json.loads(ab.arm_config(arm, 1).to_json())
+        plain = json.loads(ab.arm_config(ab.Arm("plain", arm.method), 1).to_json())
+        diff = {f"{s}.{k}" for s in c if isinstance(c[s], dict) for k in c[s] if c[s][k] != plain[s][k]}
+        assert diff <= {f for f, _ in arm.overrides} and bool(diff) == bool(arm.overrides), (arm, diff)
+        assert c["train"]["steps"] == 4 and c["seed"] == plain["seed"] and c["method"] == arm.method
+    assert len({a.name for a in ab.ARMS}) == len(ab.ARMS) == 13
+
+
+def _fake_train(calls):
+    def train_run(config, workdir, progress=False):
+        calls.append(os.path.basename(workdir))
+        os.makedirs(os.path.join(workdir, "warmstart"), exist_ok=True)
+        with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
+            for step in range(0, config.train.steps + 1, 2):
+                succ = 0.1 * step + 0.01 * config.seed + (0.05 if config.method == "cope" else 0)
+                f.write(json.dumps({"kind": "eval", "step": step, "succ": succ}) + "\n")
+                if step:
+                    f.write(json.dumps({"kind": "train", "step": step, "grad_norm": 1.0 + step,
+                                        "grad_norm_pg": 0.5, "kl": 0.01}) + "\n")
+        return {}
+    return train_run
+
+
+def test_the_sweep_resumes_shares_identical_runs_and_reports(sweep_flags, monkeypatch):
+    import cope_jax.runs
+
+    calls = []
+    monkeypatch.setattr(cope_jax.runs, "train_run", _fake_train(calls))
+    sweep_flags.ablation_arms, sweep_flags.ablation_seeds = ["grpo", "cope_k2", "cope_lambda_0.001"], ["0", "1"]
+    ab.run([])
+    # the warm start once; cope_lambda_0.001 is cope_k2 at the demo's lambda: the same two runs
+    assert calls == ["warmstart_run", "grpo_seed0", "cope_k2_seed0", "grpo_seed1", "cope_k2_seed1"]
+    root = sweep_flags.ablation_dir
+    assert sorted(os.listdir(os.path.join(root, "results"))) == sorted(
+        f"{a}_seed{s}.jsonl" for a in sweep_flags.ablation_arms for s in (0, 1))
+    assert os.path.isfile(os.path.join(root, "ablation.png")) and os.path.isfile(os.path.join(root, "ablation.md"))
+    calls.clear()
+    ab.run([])  # everything done: nothing runs again
+    assert calls == []
+    os.remove(os.path.join(root, "results", "grpo_seed1.jsonl"))
+    ab.run([])  # a run without its results file is run (resumed) again, alone
+    assert calls == ["grpo_seed1"]
+
+
+def test_the_table_is_recomputed_from_the_json_lines():
+    rec = lambda arm, seed, step, succ: {"arm": arm, "seed": seed, "kind": "eval", "step": step, "succ": succ}
+    records = ([rec("grpo", s, t, v) for s, vals in enumerate([(0.1, 0.3, 0.5), (0.1, 0.2, 0.3)])
+                for t, v in zip((0, 5, 10), vals)]
+               + [rec("cope", s, t, v) for s, vals in enumerate([(0.1, 0.4, 0.6), (0.1, 0.5, 0.7)])
+                  for t, v in zip((0, 5, 10), vals)]
+               + [{"arm": "cope", "seed": 0, "kind": "train", "step": 3, "grad_norm": 7.5, "grad_norm_af": 2.0}])
+    rows = {r["arm"]: r for r in ab.table(records)}
+    assert rows["grpo"]["final_succ_mean"] == 0.4
+    assert rows["grpo"]["final_succ_se"] == round(math.sqrt(0.02 / 2), 4)  # sample variance 0.02, n = 2
+    assert rows["cope"]["steps_to_reference"] == 5 and rows["grpo"]["steps_to_reference"] == 10
+    assert rows["cope"]["max_grad_norm"] == 7.5 and rows["cope"]["max_grad_norm_af"] == 2.0
+    assert rows["grpo"]["max_grad_norm"] is None
