@@ -163,6 +163,12 @@ def _mean_se(values: list[float]) -> tuple[float, float]:
     return mean, math.sqrt(var / n)
 
 
+def mean_curve(by_seed: dict[int, dict[int, float]]) -> dict[int, tuple[float, float]]:
+    """{step: (mean, standard error) over seeds} at the steps every seed evaluated."""
+    steps = sorted(set.intersection(*(set(c) for c in by_seed.values())))
+    return {s: _mean_se([c[s] for c in by_seed.values()]) for s in steps}
+
+
 def table(records: list[dict], reference: str = REFERENCE) -> list[dict]:
     """Per arm: final test success (mean and standard error over seeds), the first step whose mean
     success reaches the reference arm's final mean (None: never), the largest gradient norm of any
@@ -171,14 +177,13 @@ def table(records: list[dict], reference: str = REFERENCE) -> list[dict]:
     finals: dict[str, float] = {}
     rows = []
     for arm, by_seed in by_arm.items():
-        steps = sorted(set.intersection(*(set(c) for c in by_seed.values())))
-        mean_curve = {s: _mean_se([c[s] for c in by_seed.values()]) for s in steps}
-        finals[arm] = mean_curve[steps[-1]][0]
+        curve = mean_curve(by_seed)
+        last = max(curve)
+        finals[arm] = curve[last][0]
         train = [r for r in records if r["arm"] == arm and r["kind"] == "train"]
-        row = {"arm": arm, "seeds": len(by_seed), "final_step": steps[-1],
-               "final_succ_mean": round(mean_curve[steps[-1]][0], 4),
-               "final_succ_se": round(mean_curve[steps[-1]][1], 4),
-               "mean_curve": {str(s): round(m, 4) for s, (m, _) in mean_curve.items()}}
+        row = {"arm": arm, "seeds": len(by_seed), "final_step": last,
+               "final_succ_mean": round(curve[last][0], 4), "final_succ_se": round(curve[last][1], 4),
+               "mean_curve": {str(s): round(m, 4) for s, (m, _) in curve.items()}}
         for key in ("grad_norm", "grad_norm_pg", "grad_norm_af"):
             values = [r[key] for r in train if key in r]
             row[f"max_{key}"] = round(max(values), 4) if values else None
@@ -209,8 +214,8 @@ def _plot(records: list[dict], path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for i, (arm, by_seed) in enumerate(curves(records).items()):
-        steps = sorted(set.intersection(*(set(c) for c in by_seed.values())))
-        stats = [_mean_se([c[s] for c in by_seed.values()]) for s in steps]
+        curve = mean_curve(by_seed)
+        steps, stats = list(curve), list(curve.values())
         mean = [m for m, _ in stats]
         ax.plot(steps, mean, marker="o", color=f"C{i % 10}", ls="-" if i < 10 else "--", label=f"{arm} ({len(by_seed)})")
         ax.fill_between(steps, [m - e for m, e in stats], [m + e for m, e in stats], color=f"C{i % 10}", alpha=0.15)
