@@ -38,7 +38,10 @@ def get_config(method: str = "cope"):
     c.seed = 1  # seed 0's warm start does not pick up the recovery rule (module docstring)
     c.model.update(init="random", family="qwen3", hidden_size=128, intermediate_size=256, num_layers=3,
                    num_heads=4, num_kv_heads=2, head_dim=32, tie_word_embeddings=True, rope_theta=1e4,
-                   dtype="float32", param_dtype="float32", remat="none")
+                   dtype="float32", param_dtype="float32", remat="none",
+                   # 768-token rows: dense scores are small, and on CPU 1.5x faster than blockwise
+                   # (a warm-start step 2.9 s vs 4.6 s on 2 cores)
+                   attention="dense")
     c.tokenizer = "sentencepiece:1024"
     c.chat_style = "plain"
     c.env.update(family="builtin", workers=2, max_rounds_train=12, max_rounds_eval=12)

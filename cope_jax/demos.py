@@ -96,7 +96,7 @@ def play_actions(pool, family_name: str, plans: Sequence[tuple[int, Sequence[str
     while live:
         results = pool.poll(timeout)
         if not results:
-            raise TimeoutError(f"expert demonstrations: no environment result within {timeout} s")
+            raise TimeoutError(f"scripted episodes: no environment result within {timeout} s")
         for r in results:
             i = r.episode[1]
             rec, actions = record[i], plans[i][1]

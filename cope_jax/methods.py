@@ -216,7 +216,7 @@ class LossConfig:
     progpo_scale: float = 0.3
     logits_chunk_tokens: int | None = 512   # tokens per logits chunk; None = full logits (benchmarks)
     # terms whose own gradient norm each step reports (`grad_norm_<term>`, before clipping): one more
-    # forward and backward pass each, so only when asked
+    # forward and backward pass each over the micro-batches holding its tokens, so only when asked
     grad_norm_terms: tuple[str, ...] = ()
 
     def __post_init__(self):

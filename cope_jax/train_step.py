@@ -145,8 +145,10 @@ def loss_and_grads(model, batch: PackedBatch, cfg: LossConfig, coefs: dict | Non
         return grads, losses.accumulate_metrics(sums, metrics)
 
     def body(carry, mb):
-        # micro-batches of padding (a mini-batch padded to a compiled size) cost nothing
-        return jax.lax.cond(jnp.any(mb.segment_ids > 0), accumulate, lambda c, _: c, carry, mb), None
+        # micro-batches without a token of these terms cost nothing: padding (a mini-batch padded
+        # to a compiled size), or the other terms' rows when one term's gradient is asked alone
+        carries = functools.reduce(jnp.logical_or, [jnp.any(mb.weights[t] != 0) for t in coefs])
+        return jax.lax.cond(carries, accumulate, lambda c, _: c, carry, mb), None
 
     like_params = functools.partial(_like_params, mesh=mesh)
     zeros = like_params(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
@@ -241,8 +243,7 @@ def _train_step(graphdef, state, batch, coefs, *, cfg, on_policy, mesh):
     metrics = losses.finalize_metrics(sums)
     metrics["grad_norm"] = optax.tree.norm(grads)
     for term in (t for t in cfg.grad_norm_terms if t in coefs):
-        alone = {t: c if t == term else jnp.zeros_like(c) for t, c in coefs.items()}
-        _, term_grads, _ = loss_and_grads(model, batch, cfg, alone, on_policy=on_policy, mesh=mesh)
+        _, term_grads, _ = loss_and_grads(model, batch, cfg, {term: coefs[term]}, on_policy=on_policy, mesh=mesh)
         metrics[f"grad_norm_{term}"] = optax.tree.norm(term_grads)
     optimizer.update(model, grads)
     return nnx.state((model, optimizer)), metrics

@@ -9,8 +9,11 @@ without group normalization; `sft_success`; `cope_k0` with the invalid-action fi
 `af_mode=sequential`. Each arm is the config's method with one field changed, nothing else: one warm
 start (written once under the sweep directory, by the config's own seed), one RL setting, RL seeds
 config seed + s. Arms whose settings coincide (the config's lambda is one of the sweep's) run once
-per invocation, their results shared.
-Every run reports its policy and forecasting terms' own gradient norms (`train.grad_norm_terms`).
+per invocation, their results shared; so is the evaluation at step 0 (the same starting policy,
+evaluated with the seed's key), logged once per seed and reused by the seed's other runs. A config
+without a warm start (`warmstart.steps` 0, the paper configs) starts every arm from its `model.path`.
+Every run with a forecasting term reports its policy and forecasting terms' own gradient norms
+(`train.grad_norm_terms`); every run reports the total.
 
 Resumable and shardable: each (arm, seed) run lives in `<dir>/<arm>_seed<s>/` and resumes from its
 checkpoints; a finished one writes `<dir>/results/<arm>_seed<s>.jsonl` (its evaluation points and
@@ -34,6 +37,7 @@ import shutil
 from absl import flags
 
 from cope_jax import metrics as metrics_lib
+from cope_jax.methods import get_method
 
 flags.DEFINE_string("ablation_dir", "runs/ablation", "Sweep directory (runs, results, report).")
 flags.DEFINE_list("ablation_arms", None, "Arms to run (default: all of ARMS); empty: only the warm start.")
@@ -81,7 +85,8 @@ def arm_config(arm: Arm, seed: int):
     for field, value in arm.overrides:
         section, name = field.split(".")
         c[section][name] = value
-    c.train.grad_norm_terms = ("pg", "af") if arm.method != "grpo" else ("pg",)
+    # the two terms' own gradient norms where there are two (each one more pass over its rows)
+    c.train.grad_norm_terms = ("pg", "af") if "af" in get_method(arm.method).terms else ()
     return c
 
 
@@ -91,38 +96,71 @@ def _settings(c) -> str:
 
 
 # -- running -----------------------------------------------------------------------------------------
-def _warmstart(root: str) -> str:
-    """The shared warm start (a zero-step run of the reference arm), written once."""
+def _warmstart(root: str) -> str | None:
+    """The shared warm start (a zero-step run of the reference arm), written once; None for a config
+    without one (every arm starts from the config's own checkpoint, `model.path`)."""
     from cope_jax.runs import train_run
     from cope_jax.stages.warmstart import WARMSTART_DIR
 
+    c = arm_config(ARMS_BY_NAME[REFERENCE], 0)
+    if c.warmstart.steps <= 0:
+        return None
     warm = os.path.join(root, "warmstart_run")
     if not os.path.isdir(os.path.join(warm, WARMSTART_DIR)):
-        c = arm_config(ARMS_BY_NAME[REFERENCE], 0)
         c.train.steps, c.eval.every = 0, 0  # every RL run evaluates its own step 0
         train_run(c, warm, progress=False)
     return os.path.join(warm, WARMSTART_DIR)
 
 
-def _run(arm: Arm, seed: int, root: str, warm: str, same_as: dict) -> None:
-    """One (arm, seed) run, resumed if it was interrupted; its results file marks it done."""
+def _start_key(c) -> str:
+    """What the evaluation at step 0 depends on: everything but the RL settings (every arm starts
+    from the same policy and evaluates it with the same seed and settings)."""
+    settings = json.loads(c.to_json())
+    del settings["train"], settings["method"]
+    return json.dumps(settings, sort_keys=True)
+
+
+def _run(arm: Arm, seed: int, root: str, warm: str | None, same_as: dict, started: dict) -> None:
+    """One (arm, seed) run, resumed if it was interrupted; its results file marks it done.
+    `same_as`: settings -> the workdir of the run that computed them; `started`: start key -> the
+    evaluation record at step 0 some run of this sweep logged (the others reuse it)."""
     from cope_jax.runs import train_run
     from cope_jax.stages.warmstart import WARMSTART_DIR
 
     results = os.path.join(root, "results", f"{arm.name}_seed{seed}.jsonl")
-    if os.path.isfile(results):
-        return
     config = arm_config(arm, seed)
+    workdir = os.path.join(root, f"{arm.name}_seed{seed}")
+    if os.path.isfile(results):
+        _remember_start(started, config, workdir)
+        return
     key = _settings(config)
     if key in same_as:  # another arm of this sweep is this very run: share its records
         _write_results(results, arm, seed, same_as[key])
         return
-    workdir = os.path.join(root, f"{arm.name}_seed{seed}")
-    if not os.path.isdir(os.path.join(workdir, WARMSTART_DIR)):
+    if warm is not None and not os.path.isdir(os.path.join(workdir, WARMSTART_DIR)):
         shutil.copytree(warm, os.path.join(workdir, WARMSTART_DIR))
+    _reuse_start(started, config, workdir)
     train_run(config, workdir, progress=False)
     same_as[key] = workdir
+    _remember_start(started, config, workdir)
     _write_results(results, arm, seed, workdir)
+
+
+def _remember_start(started: dict, config, workdir: str) -> None:
+    record = metrics_lib.latest_records(metrics_lib.read_log(workdir), "eval").get(0)
+    if record is not None:
+        started.setdefault(_start_key(config), record)
+
+
+def _reuse_start(started: dict, config, workdir: str) -> None:
+    """Logs the step-0 evaluation another run made of the same starting policy, so `train_run`
+    skips its own (which would compute the same record again)."""
+    record = started.get(_start_key(config))
+    if record is None or 0 in metrics_lib.latest_records(metrics_lib.read_log(workdir), "eval"):
+        return
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(record, sort_keys=True) + "\n")
 
 
 def _write_results(path: str, arm: Arm, seed: int, workdir: str) -> None:
@@ -251,10 +289,10 @@ def run(argv: list[str]) -> None:
             raise ValueError(f"--ablation_arms: unknown arms {unknown}; expected some of {list(ARMS_BY_NAME)}")
         os.makedirs(root, exist_ok=True)
         warm = _warmstart(root)
-        same_as: dict = {}
+        same_as, started = {}, {}
         for seed in (int(s) for s in FLAGS.ablation_seeds):
             for name in names:
-                _run(ARMS_BY_NAME[name], seed, root, warm, same_as)
+                _run(ARMS_BY_NAME[name], seed, root, warm, same_as, started)
         if not names:
             return
     report(root)

@@ -128,25 +128,12 @@ class ReplayPool:
 def replay_actions(pool, family: str, trajs, max_rounds: int) -> tuple[float, int]:
     """Plays each trajectory's recorded actions through `pool`, all episodes at once; returns
     (wall seconds, environment steps)."""
-    plans = {i: list(t.actions[:len(t.observations) - 1]) for i, t in enumerate(trajs)}
+    from cope_jax.demos import play_actions
+
+    plans = [(t.task_id, t.actions[:len(t.observations) - 1]) for t in trajs]
     t0 = time.perf_counter()
-    for i, t in enumerate(trajs):
-        pool.submit_reset(("replay", i), family, t.task_id, max_rounds=max_rounds)
-    live, steps = len(trajs), 0
-    while live:
-        results = pool.poll(timeout=120)
-        if not results:
-            raise TimeoutError("environment replay: no result within 120 s")
-        for r in results:
-            steps += r.kind == "step"
-            i = r.episode[1]
-            if r.done or not r.ok or not plans[i]:
-                live -= 1
-                if not r.done and r.ok:
-                    pool.release(r.episode)
-                continue
-            pool.submit_step(r.episode, plans[i].pop(0))
-    return time.perf_counter() - t0, steps
+    played = play_actions(pool, family, plans, max_rounds=max_rounds)
+    return time.perf_counter() - t0, sum(p["played"] for p in played)
 
 
 def _policy():

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from models import attention_gpu, attention_tpu, loops
+from models import attention_gpu, attention_tpu, loops, mask_rule
 from models import sharding as shd
 
 IMPLEMENTATIONS = ("auto", "dense", "blockwise", "pallas")
@@ -104,9 +104,7 @@ def cache_ids(positions, max_len: int) -> MaskIds:
 def allowed(queries, keys) -> jax.Array:
     """(segment, index, branch, first) [B, t] and (segment, index, branch, position) [B, s]
     -> bool [B, t, s]: the rule of `MaskIds`."""
-    qs, qi, qb, qf = (a[:, :, None] for a in queries)
-    ks, ki, kb, kp = (a[:, None, :] for a in keys)
-    return (qs == ks) & (qi >= ki) & ((qb == kb) | ((kb == 0) & (kp < qf)))
+    return mask_rule.allowed(tuple(a[:, :, None] for a in queries), tuple(a[:, None, :] for a in keys))
 
 
 def dense_mask(ids: MaskIds) -> jax.Array:

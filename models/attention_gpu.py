@@ -18,6 +18,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from models import mask_rule
+
 TILE = 64  # queries and keys per tile: fits a 128-wide head in registers at 4-8 warps
 NEG_INF = -1e30  # as models.attention: finite, so fully masked rows stay NaN-free
 
@@ -71,7 +73,7 @@ def _kernel(q_ids, k_ids, q_ref, k_ref, v_ref, out_ref, lse_ref, *, scale, packe
         acc, m, l = carry
         tile = pl.ds(j * TILE, TILE)
         s = plt.dot(q, k_ref[tile, :], trans_b=True).astype(jnp.float32) * scale  # [TILE, TILE]
-        mask = _allowed(queries, tuple(k_ids[c, tile][None, :] for c in range(4)))
+        mask = mask_rule.allowed(queries, tuple(k_ids[c, tile][None, :] for c in range(4)))
         s = jnp.where(mask, s, NEG_INF)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
@@ -86,10 +88,3 @@ def _kernel(q_ids, k_ids, q_ref, k_ref, v_ref, out_ref, lse_ref, *, scale, packe
     seen = l > 0
     out_ref[...] = (acc / jnp.where(seen, l, 1.0)[:, None]).astype(out_ref.dtype)
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
-
-
-def _allowed(queries, keys) -> jax.Array:
-    """bool [TILE, TILE]: `models.attention.allowed` on one tile pair's ids."""
-    qs, qi, qb, qf = queries
-    ks, ki, kb, kp = keys
-    return (qs == ks) & (qi >= ki) & ((qb == kb) | ((kb == 0) & (kp < qf)))

@@ -23,6 +23,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from models import mask_rule
+
 LANES, SUBLANES = 128, 8
 NEG_INF = -1e30  # as models.attention: finite, so fully masked rows stay NaN-free
 
@@ -96,7 +98,7 @@ def _kernel(q_ids, k_ids, q_ref, k_ref, v_ref, out_ref, lse_ref, m_ref, l_ref, a
     def _pair():
         s = jax.lax.dot_general(q_ref[...], k_ref[...], (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32) * scale  # [bq, bk]
-        mask = _mask(q_ids, k_ids, bk)
+        mask = _mask(q_ids, k_ids)
         s = jnp.where(mask, s, NEG_INF)
         m_old, l_old = m_ref[...], l_ref[...]  # [bq, 128], every lane equal
         m_new = jnp.maximum(m_old, jnp.max(s, axis=1, keepdims=True))
@@ -117,11 +119,11 @@ def _kernel(q_ids, k_ids, q_ref, k_ref, v_ref, out_ref, lse_ref, m_ref, l_ref, a
         lse_ref[...] = jnp.transpose(lse)[:1]  # a row [1, bq]: tokens on lanes, 1/16 of the HBM
 
 
-def _mask(q_ids, k_ids, bk: int) -> jax.Array:
-    """bool [bq, bk]: `models.attention.allowed` on this pair's ids."""
-    qs, qi, qb, qf = (jnp.transpose(q_ids[c])[:, :1] for c in range(4))  # [bq, 1]
-    ks, ki, kb, kp = (k_ids[c, :1, :] for c in range(4))  # [1, bk]
-    return (qs == ks) & (qi >= ki) & ((qb == kb) | ((kb == 0) & (kp < qf)))
+def _mask(q_ids, k_ids) -> jax.Array:
+    """bool [bq, bk]: the mask rule on this pair's ids."""
+    queries = tuple(jnp.transpose(q_ids[c])[:, :1] for c in range(4))  # [bq, 1]
+    keys = tuple(k_ids[c, :1, :] for c in range(4))  # [1, bk]
+    return mask_rule.allowed(queries, keys)
 
 
 def _lanes(x, width: int) -> jax.Array:

@@ -34,13 +34,25 @@ def test_each_arm_changes_only_its_own_settings(sweep_flags):
     assert len({a.name for a in ab.ARMS}) == len(ab.ARMS) == 13
 
 
-def _fake_train(calls):
+def _fake_train(calls, evaluated=None):
+    """Stands in for `cope_jax.runs.train_run`: the warm start when the config has one, an evaluation
+    at step 0 unless the log has it (as the real one), then RL steps with evaluations."""
     def train_run(config, workdir, progress=False):
         calls.append(os.path.basename(workdir))
-        os.makedirs(os.path.join(workdir, "warmstart"), exist_ok=True)
-        with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
+        os.makedirs(workdir, exist_ok=True)
+        if config.warmstart.steps > 0:
+            os.makedirs(os.path.join(workdir, "warmstart"), exist_ok=True)
+        if not config.eval.every:
+            return {}
+        path = os.path.join(workdir, "metrics.jsonl")
+        logged = open(path).read() if os.path.isfile(path) else ""
+        with open(path, "a") as f:
             for step in range(0, config.train.steps + 1, 2):
-                succ = 0.1 * step + 0.01 * config.seed + (0.05 if config.method == "cope" else 0)
+                if step == 0 and '"step": 0' in logged:
+                    continue
+                if evaluated is not None:
+                    evaluated.append((os.path.basename(workdir), step))
+                succ = 0.1 * step + 0.01 * config.seed + (0.05 if step and config.method == "cope" else 0)
                 f.write(json.dumps({"kind": "eval", "step": step, "succ": succ}) + "\n")
                 if step:
                     f.write(json.dumps({"kind": "train", "step": step, "grad_norm": 1.0 + step,
@@ -52,8 +64,8 @@ def _fake_train(calls):
 def test_the_sweep_resumes_shares_identical_runs_and_reports(sweep_flags, monkeypatch):
     import cope_jax.runs
 
-    calls = []
-    monkeypatch.setattr(cope_jax.runs, "train_run", _fake_train(calls))
+    calls, evaluated = [], []
+    monkeypatch.setattr(cope_jax.runs, "train_run", _fake_train(calls, evaluated))
     sweep_flags.ablation_arms, sweep_flags.ablation_seeds = ["grpo", "cope_k2", "cope_lambda_0.001"], ["0", "1"]
     ab.run([])
     # the warm start once; cope_lambda_0.001 is cope_k2 at the demo's lambda: the same two runs
@@ -62,12 +74,30 @@ def test_the_sweep_resumes_shares_identical_runs_and_reports(sweep_flags, monkey
     assert sorted(os.listdir(os.path.join(root, "results"))) == sorted(
         f"{a}_seed{s}.jsonl" for a in sweep_flags.ablation_arms for s in (0, 1))
     assert os.path.isfile(os.path.join(root, "ablation.png")) and os.path.isfile(os.path.join(root, "ablation.md"))
+    # the starting policy is evaluated once per seed, by the seed's first run; the others log its record
+    assert [w for w, step in evaluated if step == 0] == ["grpo_seed0", "grpo_seed1"]
+    start = {(r["arm"], r["seed"]): r["succ"] for r in ab.read_results(root) if r["kind"] == "eval" and r["step"] == 0}
+    assert start[("cope_k2", 0)] == start[("grpo", 0)] != start[("cope_k2", 1)] == start[("grpo", 1)]
     calls.clear()
     ab.run([])  # everything done: nothing runs again
     assert calls == []
-    os.remove(os.path.join(root, "results", "grpo_seed1.jsonl"))
+    os.remove(os.path.join(root, "results", "cope_k2_seed1.jsonl"))
     ab.run([])  # a run without its results file is run (resumed) again, alone
-    assert calls == ["grpo_seed1"]
+    assert calls == ["cope_k2_seed1"]
+
+
+def test_a_config_without_warm_start_starts_every_arm_from_its_model(sweep_flags, monkeypatch):
+    import cope_jax.runs
+
+    calls = []
+    monkeypatch.setattr(cope_jax.runs, "train_run", _fake_train(calls))
+    monkeypatch.setattr(sweep_flags, "ablation_config", "configs/sciworld.py")
+    sweep_flags.ablation_arms, sweep_flags.ablation_seeds = ["grpo", "cope_k2"], ["0"]
+    ab.run([])
+    assert calls == ["grpo_seed0", "cope_k2_seed0"]
+    root = sweep_flags.ablation_dir
+    assert not any(os.path.exists(os.path.join(root, d, "warmstart")) for d in ("warmstart_run", *calls))
+    assert {r["arm"] for r in ab.read_results(root)} == {"grpo", "cope_k2"}
 
 
 def test_the_table_is_recomputed_from_the_json_lines():
