@@ -5,7 +5,6 @@ import os
 import sys
 from typing import Any
 
-from cope_jax import distributed
 from cope_jax import metrics as metrics_lib
 
 
@@ -14,16 +13,15 @@ def train_run(config, workdir: str, *, progress: bool = True, resume: str = "lat
     (resumed from the newest checkpoint; `resume`: `cope_jax/stages/rl.py: resume_from`). Returns the
     last evaluation summary."""
     from cope_jax.build import build
-    from cope_jax.stages.evaluate import evaluate
+    from cope_jax.stages.evaluate import evaluate_once
     from cope_jax.stages.rl import train
     from cope_jax.stages.warmstart import warmstart
 
     parts = build(config, workdir)
     try:
         warmstart(parts, progress=progress)
-        logged = metrics_lib.latest_records(metrics_lib.read_log(parts.workdir), "eval")
-        if config.eval.every and distributed.broadcast_object(0 not in logged):  # process 0's log decides
-            s = evaluate(parts, 0, progress=progress)
+        s = evaluate_once(parts, 0, progress=progress) if config.eval.every else None
+        if s:
             print(f"step 0 (start of RL): succ {s['succ']:.3f} score {s['score']:.3f}", file=sys.stderr)
         summary = train(parts, progress=progress, resume=resume)
         if not summary:  # nothing left to train: report the run's last evaluation

@@ -67,3 +67,24 @@ def test_a_corrupt_step_stops_with_one_line_then_resumes_from_the_intact_one(str
     records = [r for r in map(json.loads, open(os.path.join(workdir, "metrics.jsonl"))) if r["kind"] == "train"]
     again = {k: v for k, v in records[-1].items() if not k.endswith(TIMING)}
     assert again == _train_records(source)[3]
+
+
+def test_a_run_stopped_between_checkpoint_and_evaluation_evaluates_on_resume(tmp_path):
+    """The evaluation due at the step a run resumes from is run (and logged) if the last life
+    checkpointed that step but stopped before evaluating it; a finished one is never repeated."""
+    workdir = str(tmp_path / "run")
+    c = tiny_config("grpo", steps=2)
+    train_run(c, workdir, progress=False)
+    path = os.path.join(workdir, "metrics.jsonl")
+    records = [json.loads(line) for line in open(path)]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 2]
+    with open(path, "w") as f:  # as if killed during the evaluation after step 2
+        f.writelines(json.dumps(r) + "\n" for r in records if not (r["kind"] == "eval" and r["step"] == 2))
+    summary = train_run(c, workdir, progress=False)
+    again = [json.loads(line) for line in open(path)]
+    assert [r["step"] for r in again if r["kind"] == "eval"] == [0, 2]
+    assert [r["step"] for r in again if r["kind"] == "train"] == [1, 2]  # nothing trained again
+    assert summary["episodes"] == evals[1]["episodes"] and summary["succ"] == evals[1]["succ"]
+    train_run(c, workdir, progress=False)
+    assert len([json.loads(line) for line in open(path)]) == len(again)

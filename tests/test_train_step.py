@@ -1,7 +1,6 @@
 """The fused step against an independent full-logits implementation written here, for every method;
 invariance to packing and micro-batching; both af modes; the sharded step on 8 fake devices."""
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp

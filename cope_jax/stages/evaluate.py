@@ -37,6 +37,15 @@ def evaluate(parts: Components, step: int, *, split: str | None = None, samples:
     return summary
 
 
+def evaluate_once(parts: Components, step: int, *, progress: bool = False) -> dict[str, Any] | None:
+    """`evaluate` after step `step` unless the run's log already has it (process 0's log decides):
+    a resumed run evaluates what its last life checkpointed but did not evaluate, and nothing twice."""
+    logged = metrics_lib.latest_records(metrics_lib.read_log(parts.workdir), "eval")
+    if not distributed.broadcast_object(step not in logged):
+        return None
+    return evaluate(parts, step, progress=progress)
+
+
 def stratified(ids: list, n: int, family_of) -> list:
     """n of `ids`, taken in turn from each sub-task family (in order of first appearance, each in
     its own order), so a small evaluation covers the families instead of the first one."""

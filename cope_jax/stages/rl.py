@@ -36,7 +36,7 @@ from cope_jax.checkpoint import TrainCheckpointer
 from cope_jax.forecasting import build_examples
 from cope_jax.methods import needing
 from cope_jax.progress import Bar, say
-from cope_jax.stages.evaluate import evaluate
+from cope_jax.stages.evaluate import evaluate, evaluate_once
 from cope_jax.stages.loop import learn, rollout, runner, step_loop
 from cope_jax.train_step import Learner
 
@@ -61,6 +61,9 @@ def train(parts: Components, progress: bool = True, resume: str = "latest") -> d
 
     def evaluates(n: int) -> bool:  # after step n (1-based)
         return bool(c.eval.every) and (n % c.eval.every == 0 or n == c.train.steps)
+
+    if start and evaluates(start):  # the last life may have stopped between checkpoint and evaluation
+        summary = evaluate_once(parts, start) or summary
 
     def step(i: int) -> dict[str, float]:
         t0 = time.time()
