@@ -2,7 +2,8 @@
 
   python -m launch.bench --suite=ablation [--ablation_dir=runs/ablation] [--ablation_arms=grpo,cope_k2,...]
       [--ablation_seeds=0,1,2] [--ablation_config=configs/demo.py] [--ablation_steps=N]
-      [--ablation_eval_every=5] [--ablation_eval_tasks=N] [--ablation_report_only]
+      [--ablation_eval_every=5] [--ablation_eval_tasks=N] [--ablation_set=section.field=value ...]
+      [--ablation_report_only]
 
 Arms (`ARMS`): GRPO; CoPE at K in {0, 1, 2, 4}; lambda in {1e-4, 1e-3, 1e-2, 1e-1} at K = 2; CoPE
 without group normalization; `sft_success`; `cope_k0` with the invalid-action filter; CoPE with
@@ -23,9 +24,14 @@ warm start (`--ablation_arms=` with no arm does only that). The report (`--ablat
 reads the results without running anything) prints one JSON line per arm and writes `ablation.md`
 (the table) and `ablation.png` (mean test success per arm with a band of one standard error, as the
 paper's Figure 8) to the sweep directory; every number in them is recomputed from the results files.
+
+On a real benchmark: `--ablation_config=configs/sciworld.py --ablation_set=model.path=ckpt/qwen25-7b`
+(any `section.field=value` the config has, for every arm), one host per arm (`--ablation_arms=cope_k2`)
+on a shared `--ablation_dir`; the paper configs have no warm start, every arm starts from the model.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import glob
 import importlib.util
@@ -34,6 +40,7 @@ import math
 import os
 import shutil
 
+import ml_collections
 from absl import flags
 
 from cope_jax import metrics as metrics_lib
@@ -47,6 +54,8 @@ flags.DEFINE_integer("ablation_steps", 0, "RL steps per run (0: the config's tra
 flags.DEFINE_integer("ablation_eval_every", 5, "Evaluate the test split every this many steps.")
 flags.DEFINE_integer("ablation_eval_tasks", 0, "Test tasks per evaluation (0: the whole split).")
 flags.DEFINE_bool("ablation_report_only", False, "Only report the results already in --ablation_dir.")
+flags.DEFINE_multi_string("ablation_set", [], "section.field=value for every arm before its own change, "
+                          "e.g. model.path=ckpt/qwen25-7b (repeatable).")
 FLAGS = flags.FLAGS
 
 REFERENCE = "grpo"
@@ -82,12 +91,37 @@ def arm_config(arm: Arm, seed: int):
         c.train.steps = FLAGS.ablation_steps
     c.eval.update(every=FLAGS.ablation_eval_every, tasks=FLAGS.ablation_eval_tasks)
     c.checkpoint.every = FLAGS.ablation_eval_every  # a killed sweep loses at most this many steps
+    for setting in FLAGS.ablation_set:
+        _set(c, *_parse_setting(c, setting))
     for field, value in arm.overrides:
-        section, name = field.split(".")
-        c[section][name] = value
+        _set(c, field, value)
     # the two terms' own gradient norms where there are two (each one more pass over its rows)
     c.train.grad_norm_terms = ("pg", "af") if "af" in get_method(arm.method).terms else ()
     return c
+
+
+def _parse_setting(c, setting: str) -> tuple[str, object]:
+    """'section.field=value' -> (field path, value typed like the field's current value)."""
+    field, sep, text = setting.partition("=")
+    section, _, name = field.partition(".")
+    if not sep or section not in c or not isinstance(c[section], ml_collections.ConfigDict) or name not in c[section]:
+        raise ValueError(f"--ablation_set={setting}: expected section.field=value with a field of the config "
+                         f"(e.g. model.path=ckpt/qwen25-7b)")
+    if isinstance(c[section][name], str):
+        return field, text
+    try:
+        return field, ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        raise ValueError(f"--ablation_set={setting}: {text!r} is not a value for {field} "
+                         f"(now {c[section][name]!r})") from None
+
+
+def _set(c, field: str, value) -> None:
+    section, name = field.split(".")
+    try:
+        c[section][name] = value
+    except TypeError as e:
+        raise ValueError(f"{field}={value!r}: {e}") from None
 
 
 def _settings(c) -> str:

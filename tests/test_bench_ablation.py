@@ -15,7 +15,8 @@ def sweep_flags(tmp_path):
     f = flags.FLAGS
     if not f.is_parsed():
         f.mark_as_parsed()
-    saved = {k: getattr(f, k) for k in ("ablation_dir", "ablation_arms", "ablation_seeds", "ablation_steps")}
+    saved = {k: getattr(f, k) for k in ("ablation_dir", "ablation_arms", "ablation_seeds", "ablation_steps",
+                                        "ablation_set", "ablation_config")}
     f.ablation_dir, f.ablation_steps = str(tmp_path / "sweep"), 4
     yield f
     for k, v in saved.items():
@@ -32,6 +33,21 @@ def test_each_arm_changes_only_its_own_settings(sweep_flags):
         assert diff <= {f for f, _ in arm.overrides} and bool(diff) == bool(arm.overrides), (arm, diff)
         assert c["train"]["steps"] == 4 and c["seed"] == plain["seed"] and c["method"] == arm.method
     assert len({a.name for a in ab.ARMS}) == len(ab.ARMS) == 13
+
+
+def test_shared_settings_reach_every_arm_and_bad_ones_are_refused(sweep_flags):
+    """--ablation_set: one setting for every arm (a real benchmark's model path), typed like the field;
+    a field the config lacks or a value of the wrong type stops the sweep in one line."""
+    sweep_flags.ablation_set = ["model.path=ckpt/x", "rollout.tasks_per_step=3", "train.horizon=7"]
+    for arm in ab.ARMS:
+        c = ab.arm_config(arm, 0)
+        assert c.model.path == "ckpt/x" and c.rollout.tasks_per_step == 3
+        assert c.train.horizon == dict(arm.overrides).get("train.horizon", 7)  # the arm's own change wins
+    for bad, why in (("model.nope=1", "ablation_set"), ("model.path", "ablation_set"), ("nope.x=1", "ablation_set"),
+                     ("rollout.tasks_per_step=three", "ablation_set"), ("rollout.tasks_per_step=1.5", "tasks_per_step")):
+        sweep_flags.ablation_set = [bad]
+        with pytest.raises(ValueError, match=why):
+            ab.arm_config(ab.ARMS[0], 0)
 
 
 def _fake_train(calls, evaluated=None):
@@ -91,7 +107,7 @@ def test_a_config_without_warm_start_starts_every_arm_from_its_model(sweep_flags
 
     calls = []
     monkeypatch.setattr(cope_jax.runs, "train_run", _fake_train(calls))
-    monkeypatch.setattr(sweep_flags, "ablation_config", "configs/sciworld.py")
+    sweep_flags.ablation_config = "configs/sciworld.py"
     sweep_flags.ablation_arms, sweep_flags.ablation_seeds = ["grpo", "cope_k2"], ["0"]
     ab.run([])
     assert calls == ["grpo_seed0", "cope_k2_seed0"]
