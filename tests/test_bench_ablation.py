@@ -30,7 +30,9 @@ def test_each_arm_changes_only_its_own_settings(sweep_flags):
         c = json.loads(ab.arm_config(arm, 1).to_json())
         plain = json.loads(ab.arm_config(ab.Arm("plain", arm.method), 1).to_json())
         diff = {f"{s}.{k}" for s in c if isinstance(c[s], dict) for k in c[s] if c[s][k] != plain[s][k]}
+        diff -= {"train.grad_norm_terms"}  # a diagnostic: it changes no update
         assert diff <= {f for f, _ in arm.overrides} and bool(diff) == bool(arm.overrides), (arm, diff)
+        assert c["train"]["grad_norm_terms"] == (["pg", "af"] if arm.term_norms else [])
         assert c["train"]["steps"] == 4 and c["seed"] == plain["seed"] and c["method"] == arm.method
     assert len({a.name for a in ab.ARMS}) == len(ab.ARMS) == 13
 
