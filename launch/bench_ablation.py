@@ -10,7 +10,7 @@ without group normalization; `sft_success`; `cope_k0` with the invalid-action fi
 `af_mode=sequential`. Each arm is the config's method with one field changed, nothing else: one warm
 start (written once under the sweep directory, by the config's own seed), one RL setting, RL seeds
 config seed + s. Arms whose settings coincide (the config's lambda is one of the sweep's) run once
-per invocation, their results shared; so is the evaluation at step 0 (the same starting policy,
+per sweep directory, their results shared; so is the evaluation at step 0 (the same starting policy,
 evaluated with the seed's key), logged once per seed and reused by the seed's other runs. A config
 without a warm start (`warmstart.steps` 0, the paper configs) starts every arm from its `model.path`.
 The arms about the forecasting term's weight (lambda, K = 2, group normalization) report its and the
@@ -167,7 +167,6 @@ def _run(arm: Arm, seed: int, root: str, warm: str | None, same_as: dict, starte
     config = arm_config(arm, seed)
     workdir = os.path.join(root, f"{arm.name}_seed{seed}")
     if os.path.isfile(results):
-        _remember_start(started, config, workdir)
         return
     key = _settings(config)
     if key in same_as:  # another arm of this sweep is this very run: share its records
@@ -180,6 +179,20 @@ def _run(arm: Arm, seed: int, root: str, warm: str | None, same_as: dict, starte
     same_as[key] = workdir
     _remember_start(started, config, workdir)
     _write_results(results, arm, seed, workdir)
+
+
+def _finished(root: str, seeds) -> tuple[dict, dict]:
+    """(same_as, started) of the runs this directory finished before (every arm, `seeds`), so an
+    invocation shares them whichever arms it runs."""
+    same_as, started = {}, {}
+    for seed in seeds:
+        for arm in ARMS:
+            config, workdir = arm_config(arm, seed), os.path.join(root, f"{arm.name}_seed{seed}")
+            if (os.path.isfile(os.path.join(root, "results", f"{arm.name}_seed{seed}.jsonl"))
+                    and os.path.isfile(os.path.join(workdir, "metrics.jsonl"))):  # run here, not shared
+                same_as.setdefault(_settings(config), workdir)
+                _remember_start(started, config, workdir)
+    return same_as, started
 
 
 def _remember_start(started: dict, config, workdir: str) -> None:
@@ -325,8 +338,9 @@ def run(argv: list[str]) -> None:
             raise ValueError(f"--ablation_arms: unknown arms {unknown}; expected some of {list(ARMS_BY_NAME)}")
         os.makedirs(root, exist_ok=True)
         warm = _warmstart(root)
-        same_as, started = {}, {}
-        for seed in (int(s) for s in FLAGS.ablation_seeds):
+        seeds = [int(s) for s in FLAGS.ablation_seeds]
+        same_as, started = _finished(root, seeds)
+        for seed in seeds:
             for name in names:
                 _run(ARMS_BY_NAME[name], seed, root, warm, same_as, started)
         if not names:

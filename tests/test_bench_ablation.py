@@ -102,6 +102,12 @@ def test_the_sweep_resumes_shares_identical_runs_and_reports(sweep_flags, monkey
     os.remove(os.path.join(root, "results", "cope_k2_seed1.jsonl"))
     ab.run([])  # a run without its results file is run (resumed) again, alone
     assert calls == ["cope_k2_seed1"]
+    # a later invocation shares finished runs too: the identical arm is not run again
+    os.remove(os.path.join(root, "results", "cope_lambda_0.001_seed0.jsonl"))
+    sweep_flags.ablation_arms = ["cope_lambda_0.001"]
+    calls.clear()
+    ab.run([])
+    assert calls == [] and os.path.isfile(os.path.join(root, "results", "cope_lambda_0.001_seed0.jsonl"))
 
 
 def test_a_config_without_warm_start_starts_every_arm_from_its_model(sweep_flags, monkeypatch):
