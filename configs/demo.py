@@ -12,11 +12,11 @@ up the recovery rule (0.18), so the demo runs seed 1. Stage 2 runs CoPE (GRPO + 
 forecasting) from there. Everything is local: the tokenizer is a small SentencePiece model
 trained on the environment's own text, the model is randomly initialised.
 
-`python -m launch.bench --suite=ablation --ablation_arms=grpo,cope_k2` (this config, one warm start,
-RL seeds 1-3;
-the seed also draws the evaluation's samples, so the same warm start scores 0.565 / 0.625 / 0.595):
-test success at steps 0 / 10 / 20, mean of the 3 seeds, CoPE 0.595 / 0.672 / 0.703 (every seed
-+0.09 to +0.125 by step 20), GRPO 0.595 / 0.662 / 0.725.
+`python -m launch.bench --suite=ablation --ablation_arms=grpo,cope_k2 --ablation_steps=10` (this
+config with dense attention, one warm start, RL seeds 1-3; the seed also draws the evaluation's
+samples, so the same warm start scores 0.5925 / 0.6125 / 0.5875): test success at steps 0 / 5 / 10,
+mean of the 3 seeds, CoPE 0.5975 / 0.62 / 0.642, GRPO 0.5975 / 0.614 / 0.613 (README: ablations).
+The settings below were chosen earlier, with blockwise attention (another warm start, 0.565).
 RL settings for a model this small (the paper's lr 1e-6 and λ 0.01 are for 7B models), measured
 from the dawdling warm start (seed 1: 0.565), test success at steps 10 / 20:
 - CoPE, lr 1e-4, λ 0.001 (this config): 0.6875 / 0.6775; GRPO, lr 1e-4: 0.68 / 0.675.
