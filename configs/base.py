@@ -78,7 +78,8 @@ def base_config(method: str = "cope") -> ml_collections.ConfigDict:
         progpo_scale=0.3, logprob_chunk=2048,
         norm_length=0,  # agg_mode seq-mean-token-sum-norm's constant horizon; 0: rollout.max_len
         # loss terms whose own gradient norm every step reports (grad_norm_<term>): one more forward
-        # and backward pass each, e.g. ("pg", "af") for the policy and forecasting terms' balance
+        # and backward pass each (one fewer when they are all the loss's terms: the last is the total
+        # minus the others), e.g. ("pg", "af") for the policy and forecasting terms' balance
         grad_norm_terms=(),
     ))
     # optional supervised warm start on expert demonstrations (the demo uses it); af_examples:

@@ -65,9 +65,10 @@ class Arm:
     name: str
     method: str
     overrides: tuple = ()  # ((config field, value), ...): the one setting this arm changes
-    # log the policy and forecasting terms' own gradient norms (`train.grad_norm_terms`): two more
-    # passes over the rows (a CoPE step costs ~3x), so only in the arms about the forecasting
-    # term's weight (lambda, group normalization); every arm logs the total
+    # log the policy and forecasting terms' own gradient norms (`train.grad_norm_terms`): one more
+    # pass over the rows (the policy term's gradient is the total minus the forecasting term's), so
+    # only in the arms about the forecasting term's weight (lambda, K = 2 which is lambda 1e-3 on the
+    # demo, group normalization); every arm logs the total
     term_norms: bool = False
 
 

@@ -538,16 +538,24 @@ def test_token_ids_and_advantages_to_a_step_with_any_optax_transform():
         np.testing.assert_allclose(np.asarray(p), p0 - 0.1 * np.asarray(g), atol=1e-6)
 
 
-def test_per_term_gradient_norms_equal_a_direct_computation(setup):
+@pytest.mark.parametrize("others", [True, False], ids=["kl_entropy", "pg_af_only"])
+def test_per_term_gradient_norms_equal_a_direct_computation(setup, others, monkeypatch):
     """grad_norm_pg / grad_norm_af: the norm of each term's own gradient (coefficient included),
-    against the full-logits reference with only that term's column."""
+    against the full-logits reference with only that term's column. With KL and entropy on, each
+    asked term has its own pass; with pg and af the only terms, af's is the total minus pg's."""
     _, params, _, _ = setup
     spec = methods.get_method("cope")
     cfg = dataclasses.replace(LOSS, grad_norm_terms=("af", "pg"))
+    if not others:
+        cfg = dataclasses.replace(cfg, kl_coef=0.0, entropy_coef=0.0)
     mbs, _ = batching.build_minibatches(TRAJS, EXAMPLES, spec, cfg, groups_per_minibatch=len(SUCCESS),
                                         row_len=ROW_LEN, rows_per_micro=ROWS)
+    passes = []
+    real = train_step.loss_and_grads
+    monkeypatch.setattr(train_step, "loss_and_grads", lambda *a, **k: passes.append(a[3]) or real(*a, **k))
     learner = train_step.Learner(fresh_model(), cfg, OPT)
     [metrics] = learner.train(mbs, fresh_model())  # one mini-batch: old = current logp
+    assert len(passes) == (3 if others else 2)  # traced once: the total, then one per term not derived
     _, _, lp0 = reference_loss_and_grads(params, jnp.zeros((len(SEQS), 6)), jnp.zeros(len(SEQS)),
                                          jnp.zeros(TOKENS.shape), jnp.zeros(TOKENS.shape))
     adv, _ = batching.compute_advantages(spec, TRAJS, cfg)
