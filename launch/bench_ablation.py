@@ -18,11 +18,13 @@ policy term's own gradient norms (`train.grad_norm_terms`, `Arm.term_norms`); ev
 
 Resumable and shardable: each (arm, seed) run lives in `<dir>/<arm>_seed<s>/` and resumes from its
 checkpoints; a finished one writes `<dir>/results/<arm>_seed<s>.jsonl` (its evaluation points and
-step records, tagged with arm and seed) and is skipped afterwards. Several hosts sharing the
-directory can run disjoint `--ablation_arms` / `--ablation_seeds` after one of them has written the
-warm start (`--ablation_arms=` with no arm does only that). The report (`--ablation_report_only`
+step records, tagged with arm, seed and the warm start's fingerprint) and is skipped afterwards;
+results of another warm start are refused (one written on another machine can differ). Several
+hosts sharing the directory can run disjoint `--ablation_arms` / `--ablation_seeds` after one of
+them has written the warm start (`--ablation_arms=` with no arm does only that). The report (`--ablation_report_only`
 reads the results without running anything) prints one JSON line per arm and writes `ablation.md`
-(the table) and `ablation.png` (mean test success per arm with a band of one standard error, as the
+(the table: final success, its difference from GRPO paired by seed, steps to GRPO's final success,
+gradient norms) and `ablation.png` (mean test success per arm with a band of one standard error, as the
 paper's Figure 8) to the sweep directory; every number in them is recomputed from the results files.
 
 On a real benchmark: `--ablation_config=configs/sciworld.py --ablation_set=model.path=ckpt/qwen25-7b`
@@ -34,13 +36,16 @@ from __future__ import annotations
 import ast
 import dataclasses
 import glob
+import hashlib
 import importlib.util
 import json
 import math
 import os
 import shutil
 
+import jax
 import ml_collections
+import numpy as np
 from absl import flags
 
 from cope_jax import metrics as metrics_lib
@@ -149,6 +154,34 @@ def _warmstart(root: str) -> str | None:
     return os.path.join(warm, WARMSTART_DIR)
 
 
+def fingerprint(warm: str | None) -> str:
+    """The warm start's identity: sha256 of its parameters (path, dtype, shape, values), 16 hex
+    digits; '' without one. Equal only for the same policy, whichever machine wrote it."""
+    if warm is None:
+        return ""
+    import orbax.checkpoint as ocp
+    from models import orbax_io
+
+    with ocp.StandardCheckpointer() as checkpointer:
+        params = checkpointer.restore(orbax_io.params_dir(warm))
+    digest = hashlib.sha256()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        a = np.asarray(leaf)
+        digest.update(f"{jax.tree_util.keystr(path)} {a.dtype} {a.shape}".encode())
+        digest.update(np.ascontiguousarray(a).tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _one_start(records: list[dict], where: str) -> str:
+    """The warm-start fingerprint every result shares; a mix (e.g. a results directory copied from a
+    machine whose warm start came out different) is refused: its arms did not start together."""
+    starts = sorted({r.get("warmstart", "") for r in records})
+    if len(starts) > 1:
+        raise ValueError(f"{where}: results from different warm starts ({', '.join(repr(s) for s in starts)}); "
+                         f"every arm must start from one (keep one warm start's results per directory)")
+    return starts[0] if starts else ""
+
+
 def _start_key(c) -> str:
     """What the evaluation at step 0 depends on: everything but the RL settings (every arm starts
     from the same policy and evaluates it with the same seed and settings)."""
@@ -157,10 +190,11 @@ def _start_key(c) -> str:
     return json.dumps(settings, sort_keys=True)
 
 
-def _run(arm: Arm, seed: int, root: str, warm: str | None, same_as: dict, started: dict) -> None:
+def _run(arm: Arm, seed: int, root: str, warm: str | None, same_as: dict, started: dict, start: str) -> None:
     """One (arm, seed) run, resumed if it was interrupted; its results file marks it done.
     `same_as`: settings -> the workdir of the run that computed them; `started`: start key -> the
-    evaluation record at step 0 some run of this sweep logged (the others reuse it)."""
+    evaluation record at step 0 some run of this sweep logged (the others reuse it); `start`: the
+    warm start's fingerprint, written into every result."""
     from cope_jax.runs import train_run
     from cope_jax.stages.warmstart import WARMSTART_DIR
 
@@ -171,7 +205,7 @@ def _run(arm: Arm, seed: int, root: str, warm: str | None, same_as: dict, starte
         return
     key = _settings(config)
     if key in same_as:  # another arm of this sweep is this very run: share its records
-        _write_results(results, arm, seed, same_as[key])
+        _write_results(results, arm, seed, same_as[key], start)
         return
     if warm is not None and not os.path.isdir(os.path.join(workdir, WARMSTART_DIR)):
         shutil.copytree(warm, os.path.join(workdir, WARMSTART_DIR))
@@ -179,7 +213,7 @@ def _run(arm: Arm, seed: int, root: str, warm: str | None, same_as: dict, starte
     train_run(config, workdir, progress=False)
     same_as[key] = workdir
     _remember_start(started, config, workdir)
-    _write_results(results, arm, seed, workdir)
+    _write_results(results, arm, seed, workdir, start)
 
 
 def _finished(root: str, seeds) -> tuple[dict, dict]:
@@ -213,10 +247,11 @@ def _reuse_start(started: dict, config, workdir: str) -> None:
         f.write(json.dumps(record, sort_keys=True) + "\n")
 
 
-def _write_results(path: str, arm: Arm, seed: int, workdir: str) -> None:
-    """The run's evaluation points and step records, tagged; written whole, then renamed."""
+def _write_results(path: str, arm: Arm, seed: int, workdir: str, start: str) -> None:
+    """The run's evaluation points and step records, tagged with arm, seed and warm start; written
+    whole, then renamed."""
     log = metrics_lib.read_log(workdir)
-    lines = [{"arm": arm.name, "seed": seed, "kind": kind, "step": step,
+    lines = [{"arm": arm.name, "seed": seed, "warmstart": start, "kind": kind, "step": step,
               **{k: v for k, v in r.items() if k not in ("kind", "step") and isinstance(v, (int, float))}}
              for kind in ("eval", "train") for step, r in sorted(metrics_lib.latest_records(log, kind).items())]
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -281,14 +316,28 @@ def table(records: list[dict], reference: str = REFERENCE) -> list[dict]:
         reached = [int(s) for s, m in row["mean_curve"].items() if int(s) > 0 and target is not None
                    and m >= target - 1e-9]
         row["steps_to_reference"] = reached[0] if reached else None
+        row["minus_reference_mean"], row["minus_reference_se"] = _paired(
+            by_arm[row["arm"]], by_arm.get(reference, {}), row["final_step"])
     return rows
 
 
+def _paired(by_seed: dict, reference: dict, step: int) -> tuple[float | None, float | None]:
+    """Final success minus the reference arm's, seed by seed (the two share the warm start, the RL
+    seed's rollout keys and its evaluation tasks and keys), as mean and standard error."""
+    diffs = [c[step] - reference[s][step] for s, c in by_seed.items() if step in reference.get(s, {})]
+    if not diffs:
+        return None, None
+    mean, se = _mean_se(diffs)
+    return round(mean, 4), round(se, 4)
+
+
 def _markdown(rows: list[dict]) -> str:
-    head = ("| arm | seeds | final succ (mean ± s.e.) | steps to GRPO's final | max grad norm | max pg / af |\n"
-            "| --- | --- | --- | --- | --- | --- |\n")
+    head = ("| arm | seeds | final succ (mean ± s.e.) | minus GRPO, paired by seed | steps to GRPO's final "
+            "| max grad norm | max pg / af |\n| --- | --- | --- | --- | --- | --- | --- |\n")
+    paired = lambda r: ("-" if r["minus_reference_mean"] is None
+                        else f"{r['minus_reference_mean']:+.3f} ± {r['minus_reference_se']:.3f}")
     body = "".join(
-        f"| {r['arm']} | {r['seeds']} | {r['final_succ_mean']:.3f} ± {r['final_succ_se']:.3f} | "
+        f"| {r['arm']} | {r['seeds']} | {r['final_succ_mean']:.3f} ± {r['final_succ_se']:.3f} | {paired(r)} | "
         f"{r['steps_to_reference'] if r['steps_to_reference'] is not None else 'never'} | "
         f"{r['max_grad_norm']} | {r['max_grad_norm_pg']} / {r['max_grad_norm_af']} |\n" for r in rows)
     return head + body
@@ -320,6 +369,7 @@ def report(root: str) -> list[dict]:
     records = read_results(root)
     if not records:
         raise ValueError(f"{root}: no results yet (results/*.jsonl); run some arms first")
+    _one_start(records, root)
     rows = table(records)
     for row in rows:
         print(json.dumps({"suite": "ablation"} | row), flush=True)
@@ -339,11 +389,13 @@ def run(argv: list[str]) -> None:
             raise ValueError(f"--ablation_arms: unknown arms {unknown}; expected some of {list(ARMS_BY_NAME)}")
         os.makedirs(root, exist_ok=True)
         warm = _warmstart(root)
+        start = fingerprint(warm)
+        _one_start(read_results(root) + [{"warmstart": start}], root)  # refused before running anything
         seeds = [int(s) for s in FLAGS.ablation_seeds]
         same_as, started = _finished(root, seeds)
         for seed in seeds:
             for name in names:
-                _run(ARMS_BY_NAME[name], seed, root, warm, same_as, started)
+                _run(ARMS_BY_NAME[name], seed, root, warm, same_as, started, start)
         if not names:
             return
     report(root)

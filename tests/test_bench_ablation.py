@@ -84,6 +84,7 @@ def test_the_sweep_resumes_shares_identical_runs_and_reports(sweep_flags, monkey
 
     calls, evaluated = [], []
     monkeypatch.setattr(cope_jax.runs, "train_run", _fake_train(calls, evaluated))
+    monkeypatch.setattr(ab, "fingerprint", lambda warm: "start-a")  # the fake warm start is empty
     sweep_flags.ablation_arms, sweep_flags.ablation_seeds = ["grpo", "cope_k2", "cope_lambda_0.001"], ["0", "1"]
     ab.run([])
     # the warm start once; cope_lambda_0.001 is cope_k2 at the demo's lambda: the same two runs
@@ -108,6 +109,41 @@ def test_the_sweep_resumes_shares_identical_runs_and_reports(sweep_flags, monkey
     calls.clear()
     ab.run([])
     assert calls == [] and os.path.isfile(os.path.join(root, "results", "cope_lambda_0.001_seed0.jsonl"))
+    assert {r["warmstart"] for r in ab.read_results(root)} == {"start-a"}
+    # results of another warm start (a directory copied from a machine whose warm start came out
+    # different) are refused in one line, before anything runs, and by the report
+    monkeypatch.setattr(ab, "fingerprint", lambda warm: "start-b")
+    os.remove(os.path.join(root, "results", "cope_k2_seed1.jsonl"))
+    with pytest.raises(ValueError, match="different warm starts"):
+        ab.run([])
+    assert calls == [] and not os.path.exists(os.path.join(root, "results", "cope_k2_seed1.jsonl"))
+    with open(os.path.join(root, "results", "grpo_seed1.jsonl"), "a") as f:
+        f.write(json.dumps({"arm": "grpo", "seed": 1, "warmstart": "start-b", "kind": "eval", "step": 4,
+                            "succ": 0.5}) + "\n")
+    with pytest.raises(ValueError, match="different warm starts"):
+        ab.report(root)
+
+
+def test_the_warm_start_fingerprint_names_the_parameters(tmp_path):
+    """Equal for the same parameters saved twice, different when one value changes."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from models import qwen
+    from models.config import QwenConfig
+    from models.orbax_io import save_orbax
+
+    cfg = QwenConfig(family="qwen2", vocab_size=64, hidden_size=16, intermediate_size=24, num_layers=1,
+                     num_heads=2, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4,
+                     tie_word_embeddings=True, qkv_bias=True, qk_norm=False)
+    model = qwen.Qwen(cfg, rngs=nnx.Rngs(0))
+    save_orbax(model, str(tmp_path / "a"))
+    save_orbax(model, str(tmp_path / "b"))
+    model.embed[...] = model.embed[...].at[3, 2].add(jnp.float32(1e-3))
+    save_orbax(model, str(tmp_path / "c"))
+    a, b, c = (ab.fingerprint(str(tmp_path / d)) for d in "abc")
+    assert a == b != c and len(a) == 16
+    assert ab.fingerprint(None) == ""
 
 
 def test_a_config_without_warm_start_starts_every_arm_from_its_model(sweep_flags, monkeypatch):
@@ -137,3 +173,8 @@ def test_the_table_is_recomputed_from_the_json_lines():
     assert rows["cope"]["steps_to_reference"] == 5 and rows["grpo"]["steps_to_reference"] == 10
     assert rows["cope"]["max_grad_norm"] == 7.5 and rows["cope"]["max_grad_norm_af"] == 2.0
     assert rows["grpo"]["max_grad_norm"] is None
+    # paired by seed: cope - grpo = +0.1 (seed 0), +0.4 (seed 1)
+    assert rows["cope"]["minus_reference_mean"] == 0.25
+    assert rows["cope"]["minus_reference_se"] == round(math.sqrt(0.045 / 2), 4)
+    assert rows["grpo"]["minus_reference_mean"] == 0.0 and rows["grpo"]["minus_reference_se"] == 0.0
+    assert "+0.250 ± 0.150" in ab._markdown(list(rows.values()))
