@@ -155,8 +155,9 @@ def _warmstart(root: str) -> str | None:
 
 
 def fingerprint(warm: str | None) -> str:
-    """The warm start's identity: sha256 of its parameters (path, dtype, shape, values), 16 hex
-    digits; '' without one. Equal only for the same policy, whichever machine wrote it."""
+    """The warm start's identity: sha256 of its parameters (path, dtype, shape, values) and of the
+    tokenizer its run trained, 16 hex digits; '' without one. Equal only for the same policy,
+    whichever machine wrote it."""
     if warm is None:
         return ""
     import orbax.checkpoint as ocp
@@ -169,7 +170,18 @@ def fingerprint(warm: str | None) -> str:
         a = np.asarray(leaf)
         digest.update(f"{jax.tree_util.keystr(path)} {a.dtype} {a.shape}".encode())
         digest.update(np.ascontiguousarray(a).tobytes())
+    tokenizer = _warm_tokenizer(warm)
+    if os.path.isfile(tokenizer):  # a tokenizer trained with the warm start is part of the policy
+        with open(tokenizer, "rb") as f:
+            digest.update(f.read())
     return digest.hexdigest()[:16]
+
+
+def _warm_tokenizer(warm: str) -> str:
+    """Where the warm start's run keeps its own trained tokenizer (configs with `sentencepiece:N`)."""
+    from cope_jax.build import TOKENIZER_FILE
+
+    return os.path.join(os.path.dirname(warm), TOKENIZER_FILE)
 
 
 def _one_start(records: list[dict], where: str) -> str:
@@ -209,6 +221,8 @@ def _run(arm: Arm, seed: int, root: str, warm: str | None, same_as: dict, starte
         return
     if warm is not None and not os.path.isdir(os.path.join(workdir, WARMSTART_DIR)):
         shutil.copytree(warm, os.path.join(workdir, WARMSTART_DIR))
+        if os.path.isfile(_warm_tokenizer(warm)):  # the run reads the tokenizer its policy was trained with
+            shutil.copy2(_warm_tokenizer(warm), workdir)
     _reuse_start(started, config, workdir)
     train_run(config, workdir, progress=False)
     same_as[key] = workdir

@@ -58,6 +58,10 @@ def _fake_train(calls, evaluated=None):
     def train_run(config, workdir, progress=False):
         calls.append(os.path.basename(workdir))
         os.makedirs(workdir, exist_ok=True)
+        tokenizer = os.path.join(workdir, "tokenizer.model")
+        if not os.path.isfile(tokenizer):  # as the real one: trained into the workdir unless there
+            with open(tokenizer, "w") as f:
+                f.write(os.path.basename(workdir))
         if config.warmstart.steps > 0:
             os.makedirs(os.path.join(workdir, "warmstart"), exist_ok=True)
         if not config.eval.every:
@@ -93,6 +97,8 @@ def test_the_sweep_resumes_shares_identical_runs_and_reports(sweep_flags, monkey
     assert sorted(os.listdir(os.path.join(root, "results"))) == sorted(
         f"{a}_seed{s}.jsonl" for a in sweep_flags.ablation_arms for s in (0, 1))
     assert os.path.isfile(os.path.join(root, "ablation.png")) and os.path.isfile(os.path.join(root, "ablation.md"))
+    for run in calls[1:]:  # every arm reads the tokenizer its warm start was trained with
+        assert open(os.path.join(root, run, "tokenizer.model")).read() == "warmstart_run"
     # the starting policy is evaluated once per seed, by the seed's first run; the others log its record
     assert [w for w, step in evaluated if step == 0] == ["grpo_seed0", "grpo_seed1"]
     start = {(r["arm"], r["seed"]): r["succ"] for r in ab.read_results(root) if r["kind"] == "eval" and r["step"] == 0}
@@ -143,6 +149,9 @@ def test_the_warm_start_fingerprint_names_the_parameters(tmp_path):
     save_orbax(model, str(tmp_path / "c"))
     a, b, c = (ab.fingerprint(str(tmp_path / d)) for d in "abc")
     assert a == b != c and len(a) == 16
+    with open(tmp_path / "tokenizer.model", "wb") as f:  # the warm start's run trained a tokenizer
+        f.write(b"pieces")
+    assert ab.fingerprint(str(tmp_path / "a")) != a
     assert ab.fingerprint(None) == ""
 
 
