@@ -290,7 +290,8 @@ def curves(records: list[dict]) -> dict[str, dict[int, dict[int, float]]]:
     for r in records:
         if r["kind"] == "eval":
             out.setdefault(r["arm"], {}).setdefault(r["seed"], {})[r["step"]] = float(r["succ"])
-    return out
+    order = {a.name: i for i, a in enumerate(ARMS)}  # the table's and figure's order: ARMS'
+    return {arm: dict(sorted(out[arm].items())) for arm in sorted(out, key=lambda a: (order.get(a, len(order)), a))}
 
 
 def _mean_se(values: list[float]) -> tuple[float, float]:
@@ -346,14 +347,20 @@ def _paired(by_seed: dict, reference: dict, step: int) -> tuple[float | None, fl
 
 
 def _markdown(rows: list[dict]) -> str:
-    head = ("| arm | seeds | final succ (mean ± s.e.) | minus GRPO, paired by seed | steps to GRPO's final "
-            "| max grad norm | max pg / af |\n| --- | --- | --- | --- | --- | --- | --- |\n")
-    paired = lambda r: ("-" if r["minus_reference_mean"] is None
-                        else f"{r['minus_reference_mean']:+.3f} ± {r['minus_reference_se']:.3f}")
+    def pm(mean, se, seeds, sign=""):
+        return "-" if mean is None else f"{mean:{sign}.3f}" + (f" ± {se:.3f}" if seeds > 1 else "")
+
+    def norm(value):
+        return "-" if value is None else f"{value:.2f}"
+
+    head = ("| arm | seeds | final success (mean ± s.e.) | minus GRPO, paired by seed | steps to GRPO's final "
+            "| max grad norm | max pg / af grad norm |\n| --- | --- | --- | --- | --- | --- | --- |\n")
     body = "".join(
-        f"| {r['arm']} | {r['seeds']} | {r['final_succ_mean']:.3f} ± {r['final_succ_se']:.3f} | {paired(r)} | "
+        f"| {r['arm']} | {r['seeds']} | {pm(r['final_succ_mean'], r['final_succ_se'], r['seeds'])} | "
+        f"{pm(r['minus_reference_mean'], r['minus_reference_se'], r['seeds'], '+')} | "
         f"{r['steps_to_reference'] if r['steps_to_reference'] is not None else 'never'} | "
-        f"{r['max_grad_norm']} | {r['max_grad_norm_pg']} / {r['max_grad_norm_af']} |\n" for r in rows)
+        f"{norm(r['max_grad_norm'])} | {norm(r['max_grad_norm_pg'])} / {norm(r['max_grad_norm_af'])} |\n"
+        for r in rows)
     return head + body
 
 

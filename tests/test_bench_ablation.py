@@ -186,4 +186,16 @@ def test_the_table_is_recomputed_from_the_json_lines():
     assert rows["cope"]["minus_reference_mean"] == 0.25
     assert rows["cope"]["minus_reference_se"] == round(math.sqrt(0.045 / 2), 4)
     assert rows["grpo"]["minus_reference_mean"] == 0.0 and rows["grpo"]["minus_reference_se"] == 0.0
-    assert "+0.250 ± 0.150" in ab._markdown(list(rows.values()))
+    assert "| cope | 2 | 0.650 ± 0.050 | +0.250 ± 0.150 | 5 | 7.50 | - / 2.00 |" in ab._markdown(list(rows.values()))
+
+
+def test_the_committed_table_is_recomputed_from_the_committed_json_lines():
+    """docs/ablation holds the README's sweep: its table (in ablation.md and in the README) is what
+    the report computes from its results, from one warm start, and its figure exists."""
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "ablation")
+    records = ab.read_results(root)
+    assert records and {r["warmstart"] for r in records} == {ab.fingerprint(os.path.join(root, "warmstart_run", "warmstart"))}
+    table = ab._markdown(ab.table(records))
+    assert open(os.path.join(root, "ablation.md")).read() == table
+    assert table in open(os.path.join(os.path.dirname(root), "..", "README.md")).read()
+    assert os.path.getsize(os.path.join(root, "ablation.png")) > 10_000
