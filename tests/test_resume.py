@@ -88,3 +88,64 @@ def test_a_run_stopped_between_checkpoint_and_evaluation_evaluates_on_resume(tmp
     assert summary["episodes"] == evals[1]["episodes"] and summary["succ"] == evals[1]["succ"]
     train_run(c, workdir, progress=False)
     assert len([json.loads(line) for line in open(path)]) == len(again)
+
+
+class _Checkpoints:
+    """A checkpointer of steps 2 and 3 whose `unreadable` steps fail to restore (one host's view)."""
+
+    workdir = "run"
+
+    def __init__(self, steps, unreadable=()):
+        self.steps, self.unreadable, self.set_aside_steps = list(steps), set(unreadable), []
+
+    def all_steps(self):
+        return self.steps
+
+    def step_dir(self, step):
+        return f"run/checkpoints/{step}"
+
+    def restore(self, step, *, abstract_state):
+        if step in self.unreadable:
+            raise CheckpointError(f"checkpoint step {step} ({self.step_dir(step)}) is unreadable: truncated")
+        return step, abstract_state, {}, {}
+
+    def set_aside(self, step):
+        self.set_aside_steps.append(step)
+        return self.step_dir(step) + ".unreadable"
+
+
+def _hosts(monkeypatch, other: _Checkpoints):
+    """This process is process 0 of two; process 1 sees `other`. The exchanges in `resume_from`
+    are, in order: the step lists, then one restore verdict per step tried."""
+    from cope_jax import distributed
+
+    verdicts = iter(None if s not in other.unreadable else f"checkpoint step {s} is unreadable: truncated"
+                    for s in sorted(other.steps, reverse=True))
+
+    def allgather(obj):
+        return [obj, other.steps if isinstance(obj, list) else next(verdicts)]
+    monkeypatch.setattr(distributed, "allgather_objects", allgather)
+
+
+@pytest.mark.parametrize("other", [_Checkpoints([2, 3], unreadable=[3]), _Checkpoints([2])],
+                         ids=["other_host_cannot_read", "other_host_does_not_see"])
+def test_every_host_resumes_from_the_same_step(monkeypatch, other):
+    """Multi-host: this host reads step 3, process 1 cannot (or does not list it): step 3 is
+    unreadable for both, the run stops naming process 1, and latest_valid resumes both from step 2."""
+    from cope_jax.stages.rl import resume_from
+
+    _hosts(monkeypatch, other)
+    mine = _Checkpoints([2, 3])
+    with pytest.raises(CheckpointError, match=r"(process 1.*step 3|step 3.*process 1).*; step 2 is intact: rerun with --resume=latest_valid"):
+        resume_from(mine, {"params": 0}, "latest", is_main=True)
+    _hosts(monkeypatch, other)
+    step, _, _, _ = resume_from(mine, {"params": 0}, "latest_valid", is_main=True)
+    assert step == 2 and mine.set_aside_steps == [3]
+
+
+def test_hosts_that_read_every_step_resume_from_the_newest(monkeypatch):
+    from cope_jax.stages.rl import resume_from
+
+    _hosts(monkeypatch, _Checkpoints([2, 3]))
+    step, _, _, _ = resume_from(_Checkpoints([2, 3]), {"params": 0}, "latest", is_main=True)
+    assert step == 3

@@ -160,21 +160,28 @@ def resume_from(ckpt: TrainCheckpointer, abstract: dict, resume: str, is_main: b
     """-> `ckpt.restore`'s (step, state, data_state, config) of the newest readable step, or None in
     a run without checkpoints. An unreadable newest step stops the run, naming it, what is wrong
     and the newest intact step, unless resume='latest_valid': then the unreadable steps are set
-    aside (renamed, never deleted) and the run continues from the intact one."""
+    aside (renamed, never deleted) and the run continues from the intact one. Every process resumes
+    from the same step: one that some process cannot read, or does not see, is unreadable for all."""
     if resume not in RESUME_MODES:
         raise ConfigError(f"--resume={resume}: expected one of {RESUME_MODES}")
     unreadable = []
-    for step in reversed(ckpt.all_steps()):
-        try:
-            restored = ckpt.restore(step, abstract_state=abstract)
-        except CheckpointError as e:
-            unreadable.append((step, e))
+    steps, unseen = _steps_of_all_hosts(ckpt)
+    for step in steps:
+        restored, error = None, unseen.get(step)
+        if error is None:
+            try:
+                restored = ckpt.restore(step, abstract_state=abstract)
+            except CheckpointError as e:
+                error = e
+            error = _first_error_of_any_host(error)
+        if error is not None:  # unreadable on one host is unreadable on all: they resume together
+            unreadable.append((step, error))
             continue
         if unreadable and resume != "latest_valid":
             raise CheckpointError(f"{unreadable[0][1]}; step {step} is intact: rerun with "
                                   "--resume=latest_valid to continue from it")
         for bad, _ in unreadable:
-            moved = ckpt.set_aside(bad) if is_main else ""
+            moved = ckpt.set_aside(bad) if is_main and bad in ckpt.all_steps() else ""
             say(f"set aside unreadable checkpoint step {bad} as {os.path.basename(moved)}", is_main)
         say(f"resuming from step {step} ({ckpt.step_dir(step)})", is_main)
         return restored
@@ -182,6 +189,33 @@ def resume_from(ckpt: TrainCheckpointer, abstract: dict, resume: str, is_main: b
         raise CheckpointError(f"{unreadable[0][1]}; no intact checkpoint to resume from (move "
                               f"{ckpt.workdir} aside to start over)")
     return None
+
+
+def _steps_of_all_hosts(ckpt: TrainCheckpointer) -> tuple[list[int], dict[int, CheckpointError]]:
+    """(the checkpoint steps any process lists, newest first; {step: error} of those some process
+    does not list), the same on every host."""
+    listed = [set(steps) for steps in distributed.allgather_objects(ckpt.all_steps())]
+    steps = sorted(set().union(*listed), reverse=True)
+    unseen = {}
+    for step in steps:
+        missing = [p for p, seen in enumerate(listed) if step not in seen]
+        if missing:
+            unseen[step] = CheckpointError(f"checkpoint step {step} ({ckpt.step_dir(step)}) is unreadable: "
+                                           f"process {missing[0]} does not see it")
+    return steps, unseen
+
+
+def _first_error_of_any_host(error: CheckpointError | None) -> CheckpointError | None:
+    """The first process's restore error of this step, on every process (None: all read it), so
+    a step one host cannot read is set aside by all and no two hosts resume from different steps."""
+    errors = distributed.allgather_objects(None if error is None else str(error))
+    failed = [(p, e) for p, e in enumerate(errors) if e is not None]
+    if not failed:
+        return None
+    if error is not None:
+        return error
+    process, message = failed[0]
+    return CheckpointError(f"process {process}: {message}")
 
 
 def _step_record(trajs, step_metrics, host, examples, rstats, mbs, rollout_s, train_s) -> dict[str, float]:
