@@ -91,6 +91,8 @@ ARMS_BY_NAME = {a.name: a for a in ARMS}
 
 def arm_config(arm: Arm, seed: int):
     """The config of one (arm, seed) run: the sweep's shared settings, then the arm's one change."""
+    if not os.path.isfile(FLAGS.ablation_config):
+        raise ValueError(f"--ablation_config={FLAGS.ablation_config}: no such config file (e.g. configs/demo.py)")
     spec = importlib.util.spec_from_file_location("ablation_config", FLAGS.ablation_config)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -408,6 +410,7 @@ def run(argv: list[str]) -> None:
         unknown = [n for n in names if n not in ARMS_BY_NAME]
         if unknown:
             raise ValueError(f"--ablation_arms: unknown arms {unknown}; expected some of {list(ARMS_BY_NAME)}")
+        arm_config(ARMS_BY_NAME[REFERENCE], 0)  # a bad config or --ablation_set refuses before anything is written
         os.makedirs(root, exist_ok=True)
         warm = _warmstart(root)
         start = fingerprint(warm)

@@ -50,6 +50,12 @@ def test_shared_settings_reach_every_arm_and_bad_ones_are_refused(sweep_flags):
         sweep_flags.ablation_set = [bad]
         with pytest.raises(ValueError, match=why):
             ab.arm_config(ab.ARMS[0], 0)
+    with pytest.raises(ValueError, match="tasks_per_step"):
+        ab.run([])  # refused before the sweep directory is made
+    sweep_flags.ablation_set, sweep_flags.ablation_config = [], "configs/nope.py"
+    with pytest.raises(ValueError, match="no such config file"):
+        ab.run([])
+    assert not os.path.exists(sweep_flags.ablation_dir)
 
 
 def _fake_train(calls, evaluated=None):
