@@ -12,10 +12,9 @@ up the recovery rule (0.18), so the demo runs seed 1. Stage 2 runs CoPE (GRPO + 
 forecasting) from there. Everything is local: the tokenizer is a small SentencePiece model
 trained on the environment's own text, the model is randomly initialised.
 
-`python -m launch.bench --suite=ablation --ablation_arms=grpo,cope_k2 --ablation_steps=10` (this
-config with dense attention, one warm start, RL seeds 1-3; the seed also draws the evaluation's
-samples, so the same warm start scores 0.5925 / 0.6125 / 0.5875): test success at steps 0 / 5 / 10,
-mean of the 3 seeds, CoPE 0.5975 / 0.62 / 0.642, GRPO 0.5975 / 0.614 / 0.613 (README: ablations).
+The paper's ablations on this config (one warm start, three RL seeds, every arm one setting away
+from it) are the README's table, recomputed from `docs/ablation/` (`python -m launch.bench
+--suite=ablation --ablation_dir=docs/ablation --ablation_report_only`).
 The settings below were chosen earlier, with blockwise attention (another warm start, 0.565).
 RL settings for a model this small (the paper's lr 1e-6 and λ 0.01 are for 7B models), measured
 from the dawdling warm start (seed 1: 0.565), test success at steps 10 / 20:
