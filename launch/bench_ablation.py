@@ -87,6 +87,13 @@ ARMS = [Arm("grpo", "grpo")] + [
     Arm("cope_sequential", "cope", (("train.af_mode", "sequential"),)),
 ]
 ARMS_BY_NAME = {a.name: a for a in ARMS}
+# the figure's panels, as the paper's Figure 8 groups them; each starts with the reference arm
+PANELS = {
+    "forecasting horizon K": ("grpo", "cope_k0", "cope_k1", "cope_k2", "cope_k4"),
+    "lambda at K = 2": ("grpo", "cope_lambda_0.0001", "cope_lambda_0.001", "cope_lambda_0.01", "cope_lambda_0.1"),
+    "group normalization, af mode": ("grpo", "cope_k2", "cope_no_group_norm", "cope_sequential"),
+    "delay-0 targets": ("grpo", "cope_k2", "cope_k0", "cope_k0_filtered", "sft_success"),
+}
 
 
 def arm_config(arm: Arm, seed: int):
@@ -367,22 +374,38 @@ def _markdown(rows: list[dict]) -> str:
 
 
 def _plot(records: list[dict], path: str) -> None:
+    """One panel per group of `PANELS` (arms outside them in a last one): mean test success per
+    arm with a band of one standard error over seeds; one color per arm across panels, the
+    reference in black."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for i, (arm, by_seed) in enumerate(curves(records).items()):
-        curve = mean_curve(by_seed)
-        steps, stats = list(curve), list(curve.values())
-        mean = [m for m, _ in stats]
-        ax.plot(steps, mean, marker="o", color=f"C{i % 10}", ls="-" if i < 10 else "--", label=f"{arm} ({len(by_seed)})")
-        ax.fill_between(steps, [m - e for m, e in stats], [m + e for m, e in stats], color=f"C{i % 10}", alpha=0.15)
-    ax.set_xlabel("RL step")
-    ax.set_ylabel("test success rate (mean ± s.e. over seeds)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    by_arm = curves(records)
+    panels = {title: [a for a in arms if a in by_arm] for title, arms in PANELS.items()}
+    others = [a for a in by_arm if not any(a in arms for arms in PANELS.values())]
+    panels = {t: arms for t, arms in (panels | ({"other arms": others} if others else {})).items() if arms}
+    palette = plt.get_cmap("tab20")
+    color = {arm: "black" if arm == REFERENCE else palette(i % 20) for i, arm in enumerate(by_arm)}
+    cols = min(2, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4 * rows), squeeze=False)
+    for ax, (title, arms) in zip(axes.flat, panels.items()):
+        for arm in arms:
+            curve = mean_curve(by_arm[arm])
+            steps, stats = list(curve), list(curve.values())
+            mean = [m for m, _ in stats]
+            ax.plot(steps, mean, marker="o", color=color[arm], label=f"{arm} ({len(by_arm[arm])} seeds)")
+            ax.fill_between(steps, [m - e for m, e in stats], [m + e for m, e in stats], color=color[arm], alpha=0.15)
+        ax.set_title(title)
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("test success (mean ± s.e.)")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -35,6 +35,9 @@ def test_each_arm_changes_only_its_own_settings(sweep_flags):
         assert c["train"]["grad_norm_terms"] == (["pg", "af"] if arm.term_norms else [])
         assert c["train"]["steps"] == 4 and c["seed"] == plain["seed"] and c["method"] == arm.method
     assert len({a.name for a in ab.ARMS}) == len(ab.ARMS) == 13
+    # the figure's panels show every arm, each beside the reference
+    assert {a for arms in ab.PANELS.values() for a in arms} == set(ab.ARMS_BY_NAME)
+    assert all(arms[0] == ab.REFERENCE for arms in ab.PANELS.values())
 
 
 def test_shared_settings_reach_every_arm_and_bad_ones_are_refused(sweep_flags):
