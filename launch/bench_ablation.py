@@ -21,11 +21,12 @@ checkpoints; a finished one writes `<dir>/results/<arm>_seed<s>.jsonl` (its eval
 step records, tagged with arm, seed and the warm start's fingerprint) and is skipped afterwards;
 results of another warm start are refused (one written on another machine can differ). Several
 hosts sharing the directory can run disjoint `--ablation_arms` / `--ablation_seeds` after one of
-them has written the warm start (`--ablation_arms=` with no arm does only that). The report (`--ablation_report_only`
-reads the results without running anything) prints one JSON line per arm and writes `ablation.md`
-(the table: final success, its difference from GRPO paired by seed, steps to GRPO's final success,
-gradient norms) and `ablation.png` (mean test success per arm with a band of one standard error, as the
-paper's Figure 8) to the sweep directory; every number in them is recomputed from the results files.
+them has written the warm start (`--ablation_arms=` with no arm does only that). The report
+(`--ablation_report_only` reads the results without running anything) prints one JSON line per arm
+and writes `ablation.md` (the table: final success, its difference from GRPO paired by seed, steps
+to GRPO's final success, gradient norms) and `ablation.png` (mean test success per arm with a band
+of one standard error, one panel per ablation as the paper's Figure 8) to the sweep directory; every
+number in them is recomputed from the results files.
 
 On a real benchmark: `--ablation_config=configs/sciworld.py --ablation_set=model.path=ckpt/qwen25-7b`
 (any `section.field=value` the config has, for every arm), one host per arm (`--ablation_arms=cope_k2`)

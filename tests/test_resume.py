@@ -136,7 +136,8 @@ def test_every_host_resumes_from_the_same_step(monkeypatch, other):
 
     _hosts(monkeypatch, other)
     mine = _Checkpoints([2, 3])
-    with pytest.raises(CheckpointError, match=r"(process 1.*step 3|step 3.*process 1).*; step 2 is intact: rerun with --resume=latest_valid"):
+    stop = r"(process 1.*step 3|step 3.*process 1).*; step 2 is intact: rerun with --resume=latest_valid"
+    with pytest.raises(CheckpointError, match=stop):
         resume_from(mine, {"params": 0}, "latest", is_main=True)
     _hosts(monkeypatch, other)
     step, _, _, _ = resume_from(mine, {"params": 0}, "latest_valid", is_main=True)
