@@ -251,16 +251,15 @@ def _term_grad_norms(model, batch, cfg, coefs, grads, *, on_policy, mesh) -> dic
     rows, except that when the asked terms are all the batch's terms the last one's gradient is the
     total minus the others' (the loss is linear in its terms: one pass fewer, exact up to rounding)."""
     asked = [t for t in cfg.grad_norm_terms if t in coefs]
-    by_difference = asked[-1] if len(asked) > 1 and set(asked) == set(coefs) else None
-    rest = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-    norms = {}
+    derived = asked.pop() if len(asked) > 1 and set(asked) == set(coefs) else None  # condition first
+    norms, rest = {}, grads
     for term in asked:
-        if term == by_difference:
-            norms[f"grad_norm_{term}"] = optax.tree.norm(rest)
-            break
         _, term_grads, _ = loss_and_grads(model, batch, cfg, {term: coefs[term]}, on_policy=on_policy, mesh=mesh)
         norms[f"grad_norm_{term}"] = optax.tree.norm(term_grads)
-        rest = jax.tree.map(lambda r, g: r - g.astype(jnp.float32), rest, term_grads)
+        if derived:
+            rest = jax.tree.map(lambda r, g: r.astype(jnp.float32) - g.astype(jnp.float32), rest, term_grads)
+    if derived:
+        norms[f"grad_norm_{derived}"] = optax.tree.norm(rest)
     return norms
 
 

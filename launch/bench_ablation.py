@@ -194,14 +194,13 @@ def _warm_tokenizer(warm: str) -> str:
     return os.path.join(os.path.dirname(warm), TOKENIZER_FILE)
 
 
-def _one_start(records: list[dict], where: str) -> str:
-    """The warm-start fingerprint every result shares; a mix (e.g. a results directory copied from a
-    machine whose warm start came out different) is refused: its arms did not start together."""
+def _one_start(records: list[dict], where: str) -> None:
+    """Refuses records of more than one warm start (e.g. a results directory copied from a machine
+    whose warm start came out different): their arms did not start together."""
     starts = sorted({r.get("warmstart", "") for r in records})
     if len(starts) > 1:
         raise ValueError(f"{where}: results from different warm starts ({', '.join(repr(s) for s in starts)}); "
                          f"every arm must start from one (keep one warm start's results per directory)")
-    return starts[0] if starts else ""
 
 
 def _start_key(c) -> str:
@@ -385,8 +384,8 @@ def _plot(records: list[dict], path: str) -> None:
 
     by_arm = curves(records)
     panels = {title: [a for a in arms if a in by_arm] for title, arms in PANELS.items()}
-    others = [a for a in by_arm if not any(a in arms for arms in PANELS.values())]
-    panels = {t: arms for t, arms in (panels | ({"other arms": others} if others else {})).items() if arms}
+    panels["other arms"] = [a for a in by_arm if not any(a in arms for arms in PANELS.values())]
+    panels = {title: arms for title, arms in panels.items() if arms}
     palette = plt.get_cmap("tab20")
     color = {arm: "black" if arm == REFERENCE else palette(i % 20) for i, arm in enumerate(by_arm)}
     cols = min(2, len(panels))
