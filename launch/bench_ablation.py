@@ -321,12 +321,11 @@ def table(records: list[dict], reference: str = REFERENCE) -> list[dict]:
     success reaches the reference arm's final mean (None: never), the largest gradient norm of any
     step (and of each term's), over the steps every seed evaluated."""
     by_arm = curves(records)
-    finals: dict[str, float] = {}
+    means = {arm: mean_curve(by_seed) for arm, by_seed in by_arm.items()}
     rows = []
     for arm, by_seed in by_arm.items():
-        curve = mean_curve(by_seed)
+        curve = means[arm]
         last = max(curve)
-        finals[arm] = curve[last][0]
         train = [r for r in records if r["arm"] == arm and r["kind"] == "train"]
         row = {"arm": arm, "seeds": len(by_seed), "final_step": last,
                "final_succ_mean": round(curve[last][0], 4), "final_succ_se": round(curve[last][1], 4),
@@ -335,9 +334,10 @@ def table(records: list[dict], reference: str = REFERENCE) -> list[dict]:
             values = [r[key] for r in train if key in r]
             row[f"max_{key}"] = round(max(values), 4) if values else None
         rows.append(row)
-    target = finals.get(reference)
+    target = means[reference][max(means[reference])][0] if reference in means else None
     for row in rows:
-        reached = [int(s) for s, m in row["mean_curve"].items() if int(s) > 0 and target is not None
+        # on the unrounded means; the tolerance absorbs summation order (equal successes, other seeds)
+        reached = [s for s, (m, _) in means[row["arm"]].items() if s > 0 and target is not None
                    and m >= target - 1e-9]
         row["steps_to_reference"] = reached[0] if reached else None
         row["minus_reference_mean"], row["minus_reference_se"] = _paired(
@@ -352,7 +352,7 @@ def _paired(by_seed: dict, reference: dict, step: int) -> tuple[float | None, fl
     if not diffs:
         return None, None
     mean, se = _mean_se(diffs)
-    return round(mean, 4), round(se, 4)
+    return round(mean, 4) + 0.0, round(se, 4)  # + 0.0: a sum of rounding errors prints as 0, not -0
 
 
 def _markdown(rows: list[dict]) -> str:

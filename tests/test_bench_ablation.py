@@ -198,6 +198,18 @@ def test_the_table_is_recomputed_from_the_json_lines():
     assert "| cope | 2 | 0.650 ± 0.050 | +0.250 ± 0.150 | 5 | 7.50 | - / 2.00 |" in ab._markdown(list(rows.values()))
 
 
+def test_an_arm_that_ties_the_reference_reaches_it():
+    """Equal final successes on other seeds: the means differ in their last bits and round below
+    the reference's; the tie still counts as reaching it, and the paired difference prints as 0."""
+    rec = lambda arm, seed, step, succ: {"arm": arm, "seed": seed, "kind": "eval", "step": step, "succ": succ}
+    finals = {"grpo": (0.64, 0.6975, 0.6), "sft_success": (0.6275, 0.705, 0.605)}  # both sum to 1.9375
+    records = [rec(arm, s, t, v) for arm, vals in finals.items() for s, v in enumerate(vals)
+               for t in (0, 10)]
+    rows = {r["arm"]: r for r in ab.table(records)}
+    assert rows["sft_success"]["steps_to_reference"] == 10
+    assert "| sft_success | 3 | 0.646 ± 0.030 | +0.000 ± 0.006 | 10 |" in ab._markdown(list(rows.values()))
+
+
 def test_the_committed_table_is_recomputed_from_the_committed_json_lines():
     """docs/ablation holds the README's sweep: its table (in ablation.md and in the README) is what
     the report computes from its results, from one warm start, and its figure exists."""
