@@ -424,18 +424,20 @@ def test_old_and_ref_logprobs_only_on_policy_micro_batches():
     np.testing.assert_allclose(float(a), float(b), rtol=1e-6)
 
 
-def test_sharded_step_equals_single_device(setup):
+@pytest.mark.parametrize("shape,row_axes", [((1, 2, 4), "fsdp"), ((2, 2, 2), "data")])
+def test_sharded_step_equals_single_device(setup, shape, row_axes):
+    # (2, 2, 2): the rows split over data only (2 rows), the parameters over fsdp and tp as before
     _, _, old, ref = setup
     spec = methods.get_method("cope")
     [(batch, terms, _, _)] = _packed(spec, LOSS, old, ref)
-    mesh = models.make_mesh((1, 2, 4))
+    mesh = models.make_mesh(shape)
     single = fresh_model()
     sharded = models.create_model(CFG, seed=0, mesh=mesh)
     assert sharded.lm_head[...].sharding.spec == jax.sharding.PartitionSpec("tp", "fsdp")
     before = [np.asarray(a) for a in jax.tree.leaves(_params(single))]
     with jax.set_mesh(mesh):
         placed = train_step.place_batch(batch, mesh)
-        assert placed.tokens.sharding.spec[1] == "fsdp"  # rows split over the batch axes
+        assert placed.tokens.sharding.spec[1] == row_axes  # rows split over the batch axes
         m_sharded = train_step.Learner(sharded, LOSS, OPT, mesh=mesh).step(placed)
     m_single = train_step.Learner(single, LOSS, OPT).step(batch)
     for key in ("loss", "pg_loss", "af_loss", "kl", "entropy", "grad_norm"):
