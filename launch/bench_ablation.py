@@ -322,26 +322,23 @@ def table(records: list[dict], reference: str = REFERENCE) -> list[dict]:
     step (and of each term's), over the steps every seed evaluated."""
     by_arm = curves(records)
     means = {arm: mean_curve(by_seed) for arm, by_seed in by_arm.items()}
+    target = means[reference][max(means[reference])][0] if reference in means else math.inf
     rows = []
     for arm, by_seed in by_arm.items():
         curve = means[arm]
         last = max(curve)
         train = [r for r in records if r["arm"] == arm and r["kind"] == "train"]
+        # on the unrounded means; the tolerance absorbs summation order (equal successes, other seeds)
+        reached = [s for s, (m, _) in curve.items() if s > 0 and m >= target - 1e-9]
         row = {"arm": arm, "seeds": len(by_seed), "final_step": last,
                "final_succ_mean": round(curve[last][0], 4), "final_succ_se": round(curve[last][1], 4),
                "mean_curve": {str(s): round(m, 4) for s, (m, _) in curve.items()}}
         for key in ("grad_norm", "grad_norm_pg", "grad_norm_af"):
             values = [r[key] for r in train if key in r]
             row[f"max_{key}"] = round(max(values), 4) if values else None
-        rows.append(row)
-    target = means[reference][max(means[reference])][0] if reference in means else None
-    for row in rows:
-        # on the unrounded means; the tolerance absorbs summation order (equal successes, other seeds)
-        reached = [s for s, (m, _) in means[row["arm"]].items() if s > 0 and target is not None
-                   and m >= target - 1e-9]
         row["steps_to_reference"] = reached[0] if reached else None
-        row["minus_reference_mean"], row["minus_reference_se"] = _paired(
-            by_arm[row["arm"]], by_arm.get(reference, {}), row["final_step"])
+        row["minus_reference_mean"], row["minus_reference_se"] = _paired(by_seed, by_arm.get(reference, {}), last)
+        rows.append(row)
     return rows
 
 
