@@ -26,6 +26,7 @@ from cope_jax.demos import play_actions
 from cope_jax.faults import FaultError
 from cope_jax.forecasting import ForecastConfig
 from cope_jax.methods import LossConfig, MethodSpec
+from cope_jax.replica import SamplingReplica
 from cope_jax.sampler import Sampler
 from cope_jax.tokenizer import SentencePieceTokenizer, load_tokenizer, train_sentencepiece
 from cope_jax.train_step import OptimizerConfig
@@ -54,7 +55,7 @@ class Components:
     chat: ChatFormat
     mesh: Any
     model: Any  # the policy
-    replica: distributed.LocalReplica  # this host's sampling copy of the policy
+    replica: SamplingReplica  # this host's sampling copy of the policy
     sampler: Sampler
     log: metrics_lib.MetricsLog
 
@@ -88,8 +89,8 @@ def build(config: ml_collections.ConfigDict, workdir: str) -> Components:
         tokenizer = _tokenizer(c, family, pool, workdir, is_main)
         chat = ChatFormat(tokenizer, c.chat_style)
         model = _model(c, tokenizer, mesh)
-        # each host samples with its own copy of the policy on its own devices (one host: the policy)
-        replica = distributed.LocalReplica(model, mesh)
+        # each host samples with a copy of the policy laid out for decoding on its own devices
+        replica = SamplingReplica(model, mesh, rows=rows, max_len=c.rollout.max_len)
         sampler = Sampler(replica.model, batch_size=rows, max_len=c.rollout.max_len, eos_ids=tokenizer.eos_ids)
     except BaseException:
         pool.close()

@@ -9,8 +9,9 @@ the tests) works like this:
   step is one SPMD program over it (`cope_jax/train_step.py`).
 - Each host rolls out its own contiguous share of a step's episodes (`process_share`) with its
   own environment pool and its own sampler. The sampler cannot run on the global mesh: hosts
-  decode different episodes, for different numbers of turns. It runs on `LocalReplica`, the
-  policy's parameters laid out on this host's devices (one reshard per rollout batch).
+  decode different episodes, for different numbers of turns. It runs on `replica.SamplingReplica`,
+  the policy's parameters laid out for decoding on this host's devices (one reshard per rollout
+  batch).
 - `allgather_objects` brings every host's trajectories to every host, in global episode order, so
   each host builds the same packed mini-batches and `jax.device_put` takes each host's rows of the
   globally sharded batch. Only token ids, masks and logprobs travel; the packing is host work.
@@ -20,17 +21,14 @@ Only process 0 writes logs, plots and reports; Orbax checkpoints are written by 
 from __future__ import annotations
 
 import functools
-import math
 import pickle
 from typing import Any, Sequence
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import models
-from models import qwen
 
 HOSTS_AXIS = "hosts"  # the axis of a group of devices with one device per process
 
@@ -51,8 +49,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
 def run_mesh(shape: Sequence[int], devices: Sequence[jax.Device] | None = None) -> Mesh | None:
     """The (data, fsdp, tp) mesh of `config.mesh` over `devices` (default: every device of every
     host; the planner passes a topology's); -1 takes the remaining devices. A mesh of one device
-    means no mesh (plain single-device arrays). On several hosts the mesh must span every device,
-    and each host's devices must be able to take the mesh's axes (`local_shape`)."""
+    means no mesh (plain single-device arrays). On several hosts the mesh must span every device."""
     devices = list(jax.devices() if devices is None else devices)
     n, hosts = len(devices), len({d.process_index for d in devices})
     shape = list(shape)
@@ -71,94 +68,7 @@ def run_mesh(shape: Sequence[int], devices: Sequence[jax.Device] | None = None) 
                          f"{hosts} hosts: a multi-host mesh must use them all")
     if size == 1:
         return None
-    mesh = models.make_mesh(tuple(shape), devices=devices[:size])
-    for process in sorted({d.process_index for d in devices}):
-        local_mesh(mesh, process)  # fail at setup, not at the first rollout
-    return mesh
-
-
-def local_shape(shape: Sequence[int], devices: int) -> tuple[int, ...]:
-    """The (data, fsdp, tp) shape of one host's `devices`: each axis takes what the host can hold of
-    the global `shape`, innermost first (all of tp, then fsdp, then data)."""
-    left, local = devices, []
-    for size in reversed(shape):
-        take = math.gcd(int(size), left)
-        local.insert(0, take)
-        left //= take
-    if left != 1:
-        raise ValueError(f"config.mesh {tuple(shape)} cannot lay out a host's {devices} devices "
-                         "(each axis a divisor of the mesh's)")
-    return tuple(local)
-
-
-def local_mesh(mesh: Mesh, process: int | None = None) -> Mesh:
-    """One process's devices (default: this one's) as a mesh with `mesh`'s axis names and types, of
-    `local_shape`, in the chips' own order. It need not be a block of `mesh`: on a TPU slice the
-    global mesh follows the chips' links (collectives need that), and a long fsdp axis snakes
-    across hosts."""
-    from jax.experimental import mesh_utils
-
-    process = jax.process_index() if process is None else process
-    devices = [d for d in mesh.devices.flat if d.process_index == process]
-    shape = local_shape(mesh.devices.shape, len(devices))
-    try:
-        arranged = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
-    except (ValueError, NotImplementedError, AssertionError):  # devices without a known physical layout
-        arranged = np.array(devices).reshape(shape)
-    return Mesh(arranged, mesh.axis_names, axis_types=mesh.axis_types)
-
-
-class LocalReplica:
-    """The policy's parameters on this host's devices, for this host's sampler.
-
-    `model` is the policy itself on one host (the sampler reads the live parameters). On several
-    hosts it is a copy in the compute dtype (`qwen.frozen_config`) laid out on `local_mesh(mesh)`
-    (this host's devices) with the same logical sharding, refreshed by
-    `refresh()` before each rollout batch: one jitted reshard to a mesh with a leading `host` axis
-    (replicated over hosts, sharded within each as on the local mesh), whose shards on this host
-    are then wrapped as local arrays without another copy.
-    """
-
-    HOST_AXIS = "host"
-
-    def __init__(self, model, mesh: Mesh | None):
-        self.policy = model
-        self.multi_host = jax.process_count() > 1
-        if not self.multi_host:
-            self.model = model
-            return
-        local = local_mesh(mesh)
-        blocks = [local_mesh(mesh, p).devices for p in range(jax.process_count())]
-        if len({b.shape for b in blocks}) != 1:
-            raise ValueError(f"hosts hold different numbers of the mesh {dict(mesh.shape)}'s devices")
-        hosts = np.stack(blocks)
-        _connect_groups(hosts.reshape(len(blocks), -1).T)  # this reshard's groups: a device's peers on other hosts
-        self._host_mesh = Mesh(hosts, (self.HOST_AXIS,) + tuple(mesh.axis_names),
-                               axis_types=(mesh.axis_types[0],) + tuple(mesh.axis_types))
-        params = nnx.state(model, nnx.Param)
-        shardings = qwen.state_shardings(params, local)
-        self._host_shardings = jax.tree.map(lambda s: NamedSharding(self._host_mesh, s.spec), shardings)
-        self._local_shardings = shardings
-        cfg = qwen.frozen_config(model.cfg)  # the sampler only runs forward passes
-        cast = lambda p: jax.tree.map(lambda a: a.astype(cfg.param_dtype), p)
-        self._gather = jax.jit(cast, out_shardings=self._host_shardings)
-        graphdef, _ = nnx.split(qwen.abstract_model(cfg, local))
-        self.model = nnx.merge(graphdef, self._local_view(params))
-
-    def refresh(self) -> None:
-        """Copies the policy's current parameters into the replica (a no-op on one host)."""
-        if self.multi_host:
-            nnx.update(self.model, self._local_view(nnx.state(self.policy, nnx.Param)))
-
-    def _local_view(self, params):
-        # Waited for: its collectives run on the cross-host groups that `allgather_objects` uses
-        # too, and a program in flight there while the next one starts may pair their messages
-        # (seen on CPU: one host's gather received the other's parameter shard). The sampler
-        # needs the parameters before it can start anyway.
-        gathered = jax.block_until_ready(self._gather(params))
-        return jax.tree.map(
-            lambda a, s: jax.make_array_from_single_device_arrays(a.shape, s, [x.data for x in a.addressable_shards]),
-            gathered, self._local_shardings)
+    return models.make_mesh(tuple(shape), devices=devices[:size])
 
 
 def process_share(n: int) -> slice:
@@ -187,7 +97,7 @@ def _host_allgather(row: np.ndarray, mesh: Mesh | None = None) -> np.ndarray:
 
     One device per host takes part (`multihost_utils.process_allgather` gathers on every local
     device): the hosts' bytes cross once, and the gather is one group of devices (see
-    `_connect_groups` for why that matters on CPU). `mesh`: the group, one device per process along
+    `connect_groups` for why that matters on CPU). `mesh`: the group, one device per process along
     `HOSTS_AXIS` (default: each process's first device).
     """
     mesh = _hosts_mesh() if mesh is None else mesh
@@ -208,7 +118,7 @@ def _group_mesh(devices: Sequence[jax.Device]) -> Mesh:
     return Mesh(np.array(devices), (HOSTS_AXIS,), axis_types=(AxisType.Explicit,))
 
 
-def _connect_groups(groups: np.ndarray) -> None:
+def connect_groups(groups: np.ndarray) -> None:
     """Opens the cross-host device groups `groups` [group, process] one at a time, in one order.
 
     On CPU, processes exchange collectives over gloo, which connects a group of devices on its

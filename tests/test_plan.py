@@ -22,7 +22,7 @@ from cope_jax import run_config
 from cope_jax import train_step as ts
 from cope_jax.methods import get_method
 from cope_jax.plan import measure, planner, programs, targets
-from models import qwen
+from models import presets, qwen
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 1 << 30
@@ -198,19 +198,19 @@ def test_a_model_dir_without_config_json_exits_1(tmp_path):
     assert rc == 1 and err.strip() == f"plan: error: no config.json in '{tmp_path}'"
 
 
-def test_every_host_of_a_slice_gets_a_local_mesh_of_its_own_chips():
-    """Meshes on v5p-32 (4 hosts of 4 chips) follow the chips' links; each host's sampler mesh holds
-    its own 4 chips with as much of tp, then fsdp, as it can (the physical order snakes a long
-    fsdp axis across hosts, so a host's chips are not a block of the global mesh)."""
-    from cope_jax import distributed
+def test_every_host_of_a_slice_samples_on_a_decode_mesh_of_its_own_chips():
+    """On v5p-32 (4 hosts of 4 chips) each host's sampler mesh holds its own 4 chips, laid out for
+    decoding whatever the training mesh: Qwen2.5-7B's 28 heads over tp 4 (no weight moves between
+    chips in a decode step), not the training mesh's block of fsdp."""
+    from cope_jax import distributed, replica
 
+    cfg = presets.preset_config("Qwen2.5-7B-Instruct")
     devices = targets.devices(targets.get_target("v5p-32"))
-    for shape, local in (((1, 16, 1), (1, 4, 1)), ((1, 8, 2), (1, 2, 2)), ((2, 4, 2), (1, 2, 2)),
-                         ((1, 4, 4), (1, 1, 4))):
+    for shape in ((1, 16, 1), (1, 8, 2), (2, 4, 2), (1, 4, 4)):
         mesh = distributed.run_mesh(shape, devices)
         for host in range(4):
-            sub = distributed.local_mesh(mesh, host)
-            assert sub.devices.shape == local and {d.process_index for d in sub.devices.flat} == {host}
+            sub = replica.host_decode_mesh(cfg, mesh, host, 32, 16384)
+            assert sub.devices.shape == (1, 1, 4) and {d.process_index for d in sub.devices.flat} == {host}
 
 
 def test_each_host_samples_its_share_on_a_compute_dtype_replica():
@@ -270,12 +270,15 @@ def test_the_warm_start_step_is_planned_when_configured():
 
 
 def test_every_target_takes_every_mesh_auto_tries():
-    """`jax.make_mesh` cannot split a physical axis (except on v5e): tp=2 on a 4x8 v6e slice failed."""
-    from cope_jax import distributed
+    """`jax.make_mesh` cannot split a physical axis (except on v5e): tp=2 on a 4x8 v6e slice failed.
+    Every training mesh `--mesh=auto` tries, and every decode mesh a host may take, builds."""
+    from cope_jax import distributed, replica
 
+    cfg = presets.preset_config("Qwen3-8B")  # 32 heads: every tp width of a host is a candidate
     for target in targets.TARGETS.values():
         devices = targets.devices(target)
+        host = targets.host_devices(target) or [d for d in devices if d.process_index == 0]
         for tp in (t for t in (1, 2, 4, 8) if t <= target.chips_per_host):
-            mesh = distributed.run_mesh((1, -1, tp), devices)
-            local = distributed.local_mesh(mesh, 0)
-            assert local.devices.size == target.chips_per_host and local.devices.shape[2] == tp, (target.name, tp)
+            distributed.run_mesh((1, -1, tp), devices)
+        local = replica.decode_mesh(cfg, host, 64, 16384)
+        assert local.devices.size == target.chips_per_host, target.name

@@ -11,6 +11,7 @@ import scipy.stats
 import torch
 
 import models
+from cope_jax.replica import SamplingReplica, decode_bytes_per_chip, decode_mesh
 from cope_jax.sampler import Sampler
 from cope_jax.sampling import categorical, sample_tokens
 from tests.hf_fixtures import TINY_CONFIGS, hf_logits, make_tiny_hf
@@ -346,6 +347,64 @@ def test_sharded_scanned_greedy_equals_single_device_unrolled(setup):
     assert state.cache.k.sharding.is_equivalent_to(want, 5)
     for i in range(B):
         np.testing.assert_array_equal(out.tokens[i], ref[i])
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 4), (1, 4, 2), (2, 2, 2)])
+def test_every_mesh_samples_the_single_device_tokens(setup, shape):
+    """The sampler on a mesh of that shape, and on the decode mesh a `SamplingReplica` of a policy
+    trained on it lays out, samples the single-device tokens (temperature 1, one key) with the same
+    log-probs up to float32 reduction order; rows left idle change nothing for the others."""
+    directory, _, cfg, sampler = setup
+    prompts = _prompts(cfg.vocab_size, seed=11)
+    ref = sampler.generate(sampler.start(prompts), max_new_tokens=16, temperature=1.0, key=3)
+    mesh = models.make_mesh(shape)
+    model, _ = models.load_hf_model(directory, mesh=mesh)
+    replica = SamplingReplica(model, mesh, rows=B, max_len=MAX_LEN)
+    # 8 heads over tp=8 (KV heads replicated): each chip reads an eighth of every projection
+    assert replica.mesh.devices.shape == (1, 1, 8) and replica.model is not model
+    q = replica.model.layers.q_proj[...]
+    assert tuple(q.sharding.spec)[:3] == (None, None, "tp") and q.dtype == jnp.float32
+    for policy in (model, replica.model):
+        s = Sampler(policy, batch_size=B, max_len=MAX_LEN, eos_ids=[], prefill_chunk=16, unroll_layers=False)
+        out = s.generate(s.start(prompts), max_new_tokens=16, temperature=1.0, key=3)
+        for i in range(B):
+            np.testing.assert_array_equal(out.tokens[i], ref.tokens[i])
+            np.testing.assert_allclose(out.logprobs[i], ref.logprobs[i], atol=2e-5)
+    rows = [3, 1]
+    part = s.generate(s.start(prompts), rows=rows, max_new_tokens=16, temperature=1.0,
+                      key=jax.random.split(jax.random.key(5), 2))
+    alone = sampler.generate(sampler.start(prompts), rows=rows, max_new_tokens=16, temperature=1.0,
+                             key=jax.random.split(jax.random.key(5), 2))
+    for got, want in zip(part.tokens, alone.tokens):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_the_replica_follows_the_policy_after_refresh(setup):
+    directory, _, cfg, _ = setup
+    mesh = models.make_mesh((1, 8, 1))
+    model, _ = models.load_hf_model(directory, mesh=mesh)
+    replica = SamplingReplica(model, mesh, rows=B, max_len=MAX_LEN)
+    before = np.asarray(replica.model.lm_head[...])
+    model.lm_head[...] = -model.lm_head[...]
+    np.testing.assert_array_equal(np.asarray(replica.model.lm_head[...]), before)  # a copy, not a view
+    replica.refresh()
+    np.testing.assert_array_equal(np.asarray(replica.model.lm_head[...]), -before)
+    assert tuple(replica.model.lm_head[...].sharding.spec)[:2] == ("tp", None)
+
+
+@pytest.mark.parametrize("preset, rows, want", [
+    ("Qwen2.5-7B-Instruct", 32, (2, 1, 4)),  # 28 heads: tp 4 of 8 chips, rows over the other 2
+    ("Qwen3-8B", 32, (1, 1, 8)),             # 32 heads, 8 KV heads: everything over tp
+])
+def test_the_decode_mesh_reads_each_weight_once_per_tp_group(preset, rows, want):
+    from models.presets import preset_config
+    cfg = preset_config(preset)
+    mesh = decode_mesh(cfg, jax.devices()[:8], rows, 16384)
+    assert mesh.devices.shape == want
+    for t in (1, 2, 4, 8):
+        if cfg.num_heads % t == 0 and t != want[2]:
+            other = models.make_mesh((8 // t, 1, t))
+            assert decode_bytes_per_chip(cfg, other, rows, 16384) >= decode_bytes_per_chip(cfg, mesh, rows, 16384)
 
 
 @pytest.mark.parametrize("kwargs, message", [

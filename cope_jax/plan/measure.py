@@ -49,6 +49,8 @@ class Result:
     analytic_flops: float = 0.0
     est_s: float | None = None
     tokens_per_s: float | None = None
+    must_bytes: float | None = None  # per chip: what the program cannot avoid moving (`Program.must_bytes`)
+    bytes_ratio: float | None = None  # hbm_bytes / must_bytes
     note: str = ""
 
     @property
@@ -106,11 +108,14 @@ def add_cost(result: Result, program: Program, target: Target) -> None:
         return
     counted = _compiler_cost(program, target) if target.platform == "tpu" else None
     if counted is None:
-        result.flops, result.hbm_bytes, result.cost_source = program.analytic_flops, program.analytic_bytes, "analytic"
+        result.flops, result.hbm_bytes, result.cost_source = program.analytic_flops, program.must_bytes, "analytic"
         if target.platform == "tpu":
             result.note = "a cost compile does not fit: analytic FLOPs"
     else:
         result.flops, result.hbm_bytes, result.cost_source = *counted, "compiler"
+    result.must_bytes = program.must_bytes
+    if program.must_bytes and result.hbm_bytes:
+        result.bytes_ratio = result.hbm_bytes / program.must_bytes
     chip = target.chip
     result.est_s = max(result.flops / chip.peak_flops, (result.hbm_bytes or 0.0) / chip.hbm_bandwidth)
     result.tokens_per_s = program.tokens / result.est_s if result.est_s else None

@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from cope_jax import distributed, run_config
+from cope_jax import replica as replica_lib
 from cope_jax import train_step as ts
 from cope_jax.logprobs import chunk_positions
 from cope_jax.methods import get_method, needing
@@ -55,7 +56,8 @@ class Program:
     optimizer_bytes: int        # per chip: optimizer state among the arguments
     resident_bytes: int         # per chip: buffers alive meanwhile that are not arguments
     analytic_flops: float       # per chip
-    analytic_bytes: float | None = None  # per chip (decoding: weights and cache read per step)
+    must_bytes: float | None = None  # per chip: the bytes it cannot avoid moving (the sampler's: its
+    # weights, the filled KV cache it reads and the KV it writes)
 
 
 @dataclasses.dataclass
@@ -68,7 +70,7 @@ class Layout:
     rows_per_micro: int
     params_bytes: int      # per chip, on the global mesh
     optimizer_bytes: int   # per chip
-    replica_bytes: int     # per chip: the sampler's own copy of the parameters (several hosts)
+    replica_bytes: int     # per chip: the sampler's own copy of the parameters (0: it reads the policy)
     reference_bytes: int   # per chip: the frozen reference policy (0: the run has none)
 
 
@@ -87,14 +89,11 @@ def run_programs(c: ml_collections.ConfigDict, model_cfg: QwenConfig, devices, m
     host 0's devices of the slice."""
     mesh = distributed.run_mesh(tuple(mesh_shape), devices)
     hosts = len({d.process_index for d in devices})
-    host_mesh = distributed.local_mesh(mesh, process=0) if mesh is not None and hosts > 1 else mesh
-    if host_devices is not None and hosts > 1:
-        host_mesh = shd.make_mesh(host_mesh.devices.shape, devices=host_devices)
     graphdef, state = ts.abstract_train_state(model_cfg, run_config.optimizer_config(c), mesh)
     params_bytes, opt_bytes = per_chip_bytes(state[0]), per_chip_bytes(state[1])
-    # the reference policy and each host's sampler replica are frozen copies (compute dtype)
+    host_mesh, replica = _sampling(c, model_cfg, mesh, hosts, host_devices)
+    # the reference policy and the sampler's replica are frozen copies (compute dtype)
     frozen_cfg = qwen.frozen_config(model_cfg)
-    replica = qwen.abstract_placed_model(frozen_cfg, host_mesh) if hosts > 1 else None
     spec = get_method(c.method, horizon=None if c.train.horizon < 0 else int(c.train.horizon))
     needs_reference = bool(needing(run_config.loss_config(c).active_terms(spec.terms), "ref_logp"))
     reference = per_chip_bytes(_params(qwen.abstract_placed_model(frozen_cfg, mesh))) if needs_reference else 0
@@ -105,6 +104,20 @@ def run_programs(c: ml_collections.ConfigDict, model_cfg: QwenConfig, devices, m
     programs = [*_trainer_programs(c, model_cfg, layout, graphdef, state, spec),
                 *_sampler_programs(c, model_cfg, layout, replica)]
     return layout, programs
+
+
+def _sampling(c, model_cfg, mesh, hosts: int, host_devices):
+    """(host 0's decode mesh, the sampler's replica or None where it reads the policy), as
+    `replica.SamplingReplica` lays them out."""
+    if mesh is None:
+        return None, None
+    if host_devices is None or hosts == 1:
+        host_devices = [d for d in mesh.devices.flat if d.process_index == 0]
+    host_mesh = replica_lib.decode_mesh(model_cfg, host_devices, run_config.sampler_rows(c, hosts),
+                                        int(c.rollout.max_len))
+    if replica_lib.reads_policy(model_cfg, mesh, host_mesh, hosts):
+        return host_mesh, None
+    return host_mesh, qwen.abstract_placed_model(qwen.frozen_config(model_cfg), host_mesh)
 
 
 # -- the trainer's programs --------------------------------------------------------------------------
@@ -159,15 +172,15 @@ def _params(model):
 # -- the sampler's programs --------------------------------------------------------------------------
 def _sampler_programs(c, model_cfg, layout: Layout, replica) -> list[Program]:
     mesh = layout.host_mesh
-    if replica is None:  # one host: the sampler reads the policy itself
+    if replica is None:  # the sampler reads the policy itself
         replica = qwen.abstract_placed_model(model_cfg, mesh)
     eos = model_cfg.eos_token_id
     sampler = Sampler(replica, batch_size=run_config.sampler_rows(c, layout.hosts), max_len=int(c.rollout.max_len),
                       eos_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
                       unroll_layers=False)
-    # on one host the sampler's parameters are the policy's; on several, a copy on each host
-    resident = ((layout.optimizer_bytes if layout.hosts == 1 else layout.params_bytes + layout.optimizer_bytes)
-                + layout.reference_bytes)
+    # the policy's parameters are the sampler's arguments where it reads them, else resident too
+    resident = (layout.optimizer_bytes + layout.reference_bytes
+                + (layout.params_bytes if layout.replica_bytes else 0))
     param_bytes = per_chip_bytes(_params(replica))
     B, W, chunk = sampler.batch_size, sampler.max_len, sampler.chunks[-1]
     steps = int(min(c.rollout.max_turn_tokens, W))
@@ -182,17 +195,18 @@ def _sampler_programs(c, model_cfg, layout: Layout, replica) -> list[Program]:
         return run
 
     cache = sampler.abstract_state().cache
-    cache_bytes = per_chip_bytes((cache.k, cache.v))
+    slot_bytes = per_chip_bytes((cache.k, cache.v)) / W  # one slot of every row, K and V, all layers
     platform = _platform(mesh)
     decode_flops = _forward_flops(model_cfg, 1, W, platform, packed=False, logits=True) * B / ways
     layers = {"layers": Loop(model_cfg.num_layers)}
     return [
         Program("prefill", lower("prefill"), f"{B} x {chunk} into {W}", B * chunk,
                 {**layers, **_attention_loop(model_cfg, chunk, W, False, platform)}, param_bytes, 0, resident,
-                _forward_flops(model_cfg, chunk, W, platform, packed=False, logits=False) * B * chunk / ways),
+                _forward_flops(model_cfg, chunk, W, platform, packed=False, logits=False) * B * chunk / ways,
+                must_bytes=param_bytes + slot_bytes * W),  # the cache before the chunk read, the chunk written
         Program("decode", lower("decode"), f"{B} rows, window {W}", B,
                 {**layers, **_attention_loop(model_cfg, 1, W, False, platform)},
-                param_bytes, 0, resident, decode_flops, analytic_bytes=param_bytes + cache_bytes),
+                param_bytes, 0, resident, decode_flops, must_bytes=param_bytes + slot_bytes * W),
     ]
 
 

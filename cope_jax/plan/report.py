@@ -36,7 +36,7 @@ def header(plan: Plan) -> list[str]:
 
 
 COLUMNS = ("program", "shape", "params", "optim", "inputs", "outputs", "temps", "code", "resident", "total",
-           "fits", "compile s", "FLOPs/chip", "analytic", "est. s", "tokens/s")
+           "fits", "compile s", "FLOPs/chip", "analytic", "HBM B/chip", "must move", "x", "est. s", "tokens/s")
 
 
 def rows(plan: Plan) -> list[tuple[str, ...]]:
@@ -49,6 +49,8 @@ def rows(plan: Plan) -> list[tuple[str, ...]]:
         out.append((r.program, r.shape, _gib(r.params), _gib(r.optimizer), unknown(r.inputs), unknown(r.outputs),
                     unknown(r.temporaries), unknown(r.code), _gib(r.resident), _gib(r.total), headroom,
                     f"{r.compile_s:.1f}", _si(r.flops, "") + cost_mark, _si(r.analytic_flops, ""),
+                    _si(r.hbm_bytes, "") + cost_mark, _si(r.must_bytes, ""),
+                    "-" if r.bytes_ratio is None else f"{r.bytes_ratio:.2f}",
                     "-" if r.est_s is None else f"{r.est_s:.3g}",
                     "-" if r.tokens_per_s is None else f"{r.tokens_per_s:,.0f}"))
     return out
@@ -57,8 +59,10 @@ def rows(plan: Plan) -> list[tuple[str, ...]]:
 def table(plan: Plan) -> str:
     body = [COLUMNS, *rows(plan)]
     widths = [max(len(row[i]) for row in body) for i in range(len(COLUMNS))]
-    lines = header(plan) + ["memory in GiB per chip; fits (headroom GiB); estimates are rooflines: "
-                            "max(FLOPs / peak, HBM bytes / bandwidth), no communication"]
+    lines = header(plan) + ["memory in GiB per chip; fits (headroom GiB); must move: the bytes a sampler "
+                            "program cannot avoid (its weights, the KV cache it reads and writes), x: HBM bytes "
+                            "over that; estimates are rooflines: max(FLOPs / peak, HBM bytes / bandwidth), "
+                            "no communication; tokens/s per host for the sampler's programs"]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in body]
     for r in plan.results:
         if r.refused:
