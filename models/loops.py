@@ -24,17 +24,22 @@ _UNROLLED = jax.make_user_context(default_value=None)
 
 @contextlib.contextmanager
 def unrolled(kind: str, factor: int | bool = 2):
-    """Traces the loops of `kind` unrolled by `factor` (True: entirely; planning and its tests)."""
+    """Traces the loops of `kind` unrolled by `factor` (True: entirely; planning and its tests).
+    Nests: an enclosing `unrolled` of another kind still holds."""
     if kind not in KINDS:
         raise ValueError(f"unknown loop kind {kind!r}; expected one of {KINDS}")
-    with _UNROLLED((kind, factor)):
+    others = tuple(p for p in (_UNROLLED.value or ()) if p[0] != kind)
+    with _UNROLLED(others + ((kind, factor),)):
         yield
+
+
+def _factor(kind: str) -> int | bool:
+    return dict(_UNROLLED.value or ()).get(kind, 1)
 
 
 def scan(kind: str, body, init, xs, length: int | None = None):
     """`jax.lax.scan(body, init, xs)` over loops of `kind` (one of KINDS)."""
-    value = _UNROLLED.value
-    return jax.lax.scan(body, init, xs, length=length, unroll=value[1] if value and value[0] == kind else 1)
+    return jax.lax.scan(body, init, xs, length=length, unroll=_factor(kind))
 
 
 def fori(kind: str, trips: int, body, init):
@@ -43,8 +48,7 @@ def fori(kind: str, trips: int, body, init):
     known and unknown halves when an enclosing scan is differentiated under remat, which would
     stack every iteration's known values (e.g. attention masks) as residuals. Unrolled by `factor`
     like `scan`: `factor` bodies per iteration and the remainder peeled after the loop."""
-    value = _UNROLLED.value
-    factor = value[1] if value and value[0] == kind else 1
+    factor = _factor(kind)
     if factor is True:
         factor = trips
     rounds, rest = divmod(trips, factor)

@@ -9,7 +9,9 @@ Cost is the compiler's `cost_analysis` (FLOPs and HBM bytes per chip). It counts
 so each loop kind with more than one trip is compiled once more unrolled by two
 (`models.loops.unrolled`): the difference is one iteration, and the program's cost is the counted
 cost plus (trips - 1) iterations per kind (times the enclosing trips for a loop inside a
-counted loop: the blockwise attention inside each decoder layer). The partitioner makes loops of its own too (a windowed
+counted loop: the blockwise attention inside each decoder layer). A loop marked `whole` (the
+sampler's layers) is compiled unrolled entirely instead: there one more iteration of the rolled
+loop counted twice what an unrolled layer does. The partitioner makes loops of its own too (a windowed
 einsum overlaps an FSDP all-gather with slices of the matmul), which no flag of ours unrolls, so the
 cost compiles turn those off (`COST_OPTIONS`): they move the same FLOPs and bytes, only in one piece.
 The GPU compiler reports no cost, so GPU estimates use the analytical counts; so do programs whose
@@ -18,6 +20,7 @@ lower bound that ignores communication and overlap.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import time
@@ -125,17 +128,21 @@ def _compiler_cost(program: Program, target: Target) -> tuple[float, float] | No
     """(FLOPs, HBM bytes) per chip of one call, every loop iteration counted; None when a cost
     compile does not fit."""
     options = COST_OPTIONS if target.platform == "tpu" else {}
+    whole = [kind for kind, loop in program.loops.items() if loop.whole and loop.trips > 1]
     try:
-        base = _counted(program.lower().compile(compiler_options=options))
-        flops, hbm = base
-        for kind, loop in program.loops.items():
-            if loop.trips <= 1:
-                continue
-            with loops.unrolled(kind):
-                f2, b2 = _counted(program.lower().compile(compiler_options=options))
-            per = loops.trips_counted(loop.trips)
-            flops += loop.times * (loop.trips - 1) * (f2 - base[0]) / per
-            hbm += loop.times * (loop.trips - 1) * (b2 - base[1]) / per
+        with contextlib.ExitStack() as stack:
+            for kind in whole:
+                stack.enter_context(loops.unrolled(kind, True))
+            base = _counted(program.lower().compile(compiler_options=options))
+            flops, hbm = base
+            for kind, loop in program.loops.items():
+                if loop.trips <= 1 or kind in whole:
+                    continue
+                with loops.unrolled(kind):
+                    f2, b2 = _counted(program.lower().compile(compiler_options=options))
+                per = loops.trips_counted(loop.trips)
+                flops += loop.times * (loop.trips - 1) * (f2 - base[0]) / per
+                hbm += loop.times * (loop.trips - 1) * (b2 - base[1]) / per
     except Exception as e:
         if _OOM.search(str(e)):
             return None
