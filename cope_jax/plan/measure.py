@@ -117,7 +117,7 @@ def add_cost(result: Result, program: Program, target: Target) -> None:
     else:
         result.flops, result.hbm_bytes, result.cost_source = *counted, "compiler"
     result.must_bytes = program.must_bytes
-    if program.must_bytes and result.hbm_bytes:
+    if program.must_bytes and result.hbm_bytes and result.cost_source == "compiler":  # analytic: they are one
         result.bytes_ratio = result.hbm_bytes / program.must_bytes
     chip = target.chip
     result.est_s = max(result.flops / chip.peak_flops, (result.hbm_bytes or 0.0) / chip.hbm_bandwidth)
