@@ -87,11 +87,11 @@ class SamplingReplica:
         """Copies the policy's current parameters into the replica (a no-op where it is the policy)."""
         if self._copy is None:
             return
-        old = nnx.state(self.model, nnx.Param)
-        if jax.process_count() > 1:  # the donated buffers are the host-mesh arrays, not the local views
-            old = None
-        new = (self._copy(nnx.state(self.policy, nnx.Param)) if old is None
-               else self._update(nnx.state(self.policy, nnx.Param), old))
+        params = nnx.state(self.policy, nnx.Param)
+        if jax.process_count() == 1:  # the old copy's buffers donated to the new one
+            new = self._update(params, nnx.state(self.model, nnx.Param))
+        else:  # the donatable buffers would be the host-mesh arrays, not the local views
+            new = self._copy(params)
         nnx.update(self.model, self._local_view(new))
 
     def _host_shardings(self, cfg, mesh: Mesh, rows: int, max_len: int):

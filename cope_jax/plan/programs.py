@@ -200,7 +200,7 @@ def _sampler_programs(c, model_cfg, layout: Layout, replica) -> list[Program]:
         return run
 
     cache = sampler.abstract_state().cache
-    slot_bytes = per_chip_bytes((cache.k, cache.v)) / W  # one slot of every row, K and V, all layers
+    cache_bytes = per_chip_bytes((cache.k, cache.v))
     platform = _platform(mesh)
     decode_flops = _forward_flops(model_cfg, 1, W, platform, packed=False, logits=True) * B / ways
     layers = {"layers": Loop(model_cfg.num_layers)}
@@ -208,10 +208,10 @@ def _sampler_programs(c, model_cfg, layout: Layout, replica) -> list[Program]:
         Program("prefill", lower("prefill"), f"{B} x {chunk} into {W}", B * chunk,
                 {**layers, **_attention_loop(model_cfg, chunk, W, False, platform)}, param_bytes, 0, resident,
                 _forward_flops(model_cfg, chunk, W, platform, packed=False, logits=False) * B * chunk / ways,
-                must_bytes=param_bytes + slot_bytes * W),  # the cache before the chunk read, the chunk written
+                must_bytes=param_bytes + cache_bytes),  # the cache before the chunk read, the chunk written
         Program("decode", lower("decode"), f"{B} rows, window {W}", B,
                 {"layers": Loop(model_cfg.num_layers, whole=True), **_attention_loop(model_cfg, 1, W, False, platform)},
-                param_bytes, 0, resident, decode_flops, must_bytes=param_bytes + slot_bytes * W),
+                param_bytes, 0, resident, decode_flops, must_bytes=param_bytes + cache_bytes),
     ]
 
 
