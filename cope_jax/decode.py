@@ -10,7 +10,7 @@ stays on the device) and `decode_end` (write it back). The cache and the rows' n
 donated, so they are updated in place; only token ids, logprobs and finish codes cross to the host.
 
 A row's *next input* is its last token, not yet in the cache: a step feeds it and samples the next.
-Besides the programs: the shapes they compile at (`power_buckets`, `RowLayout`), their array inputs
+Besides the programs: the shapes they compile at (`power_buckets`, `row_buckets`, `RowLayout`), their array inputs
 (`eos_array`, `stop_array`, `row_keys`; `abstract_cache` for lowering) and the reading of a turn's
 progress (`report_finished`). The host side (rows, validation, streaming) is `cope_jax/sampler.py`.
 """
@@ -42,6 +42,16 @@ def power_buckets(lo: int, hi: int) -> tuple[int, ...]:
         out.append(v)
         v *= 2
     return tuple(out) + (hi,)
+
+
+def row_buckets(hi: int) -> tuple[int, ...]:
+    """(1, 2, 3, 4, 6, 8, 12, ..., hi): the row counts a call of gathered rows compiles at. The
+    three-halves steps keep the padding rows, which read the cache like the others, under a third
+    of a call for twice the compiles of powers of two."""
+    out = {hi}
+    for p in power_buckets(1, hi):
+        out.update(n for n in (p, 3 * p // 2) if 1 <= n < hi)
+    return tuple(sorted(out))
 
 
 def bucket(n: int, buckets: Sequence[int]) -> int:

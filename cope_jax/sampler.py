@@ -31,7 +31,8 @@ from flax import nnx
 
 from cope_jax.decode import (CONTEXT_FULL, FINISH_REASONS, IDLE_ROW_KNOBS, LENGTH, RowLayout, abstract_cache,
                              abstract_window, bucket, decode_end, decode_loop, decode_start, eos_array, new_run,
-                             power_buckets, prefill, report_finished, row_keys, stop_array, unrolled_weights)
+                             power_buckets, prefill, report_finished, row_buckets, row_keys, stop_array,
+                             unrolled_weights)
 from models import sharding as shd
 from models.qwen import CACHE_AXES, KVCache
 
@@ -101,10 +102,10 @@ class Sampler:
         self._weights_for: list[weakref.ref] = []  # the parameter arrays the unrolled copy was made from
         self._weights = None
         self._unused_key = None
-        # under a multi-device mesh rows stay in place (moving caches across devices costs more
-        # than computing idle rows); on one device the participating rows are gathered
-        self.compact = self.mesh is None or self.mesh.size == 1
-        self.row_buckets = power_buckets(1, self.batch_size) if self.compact else (self.batch_size,)
+        # a call gathers its rows, so idle rows cost it nothing, unless the mesh splits rows over
+        # devices: then they stay in place (moving caches across devices costs more than their reads)
+        self.compact = self.mesh is None or shd.logical_to_spec(("batch",), (self.batch_size,), self.mesh)[0] is None
+        self.row_buckets = row_buckets(self.batch_size) if self.compact else (self.batch_size,)
         self.windows = power_buckets(min(min_window, self.max_len), self.max_len)
         self.chunks = power_buckets(min(16, prefill_chunk), min(prefill_chunk, self.max_len))
         self._shardings = self._state_shardings()
@@ -303,12 +304,14 @@ class Sampler:
         return SamplerState(cache=cache, next_input=next_input, cached=np.zeros(B, np.int64), live=np.ones(B, bool),
                             full=np.zeros(B, bool))
 
-    def lower(self, max_new_tokens: int) -> dict[str, "jax.stages.Lowered"]:
+    def lower(self, max_new_tokens: int, rows: int | None = None) -> dict[str, "jax.stages.Lowered"]:
         """The prefill and decode programs at the largest shapes a run gives them, on abstract
-        inputs (nothing allocated): every row, the whole cache window, a full prefill chunk, and a
-        turn of `max_new_tokens` decode steps. `launch.plan` compiles them for a target."""
-        state, n = self.abstract_state(), self.batch_size
-        rows = np.arange(n)
+        inputs (nothing allocated): every row (or a call of the first `rows`), the whole cache
+        window, a full prefill chunk, and a turn of `max_new_tokens` decode steps. `launch.plan`
+        compiles them for a target."""
+        state = self.abstract_state()
+        rows = np.arange(self.batch_size if rows is None else rows)
+        n = len(rows)
         lay, window = self._layout(rows), self.windows[-1]
         chunk = self.chunks[-1]
         args, static = self._prefill_inputs(state, lay, np.zeros((n, chunk), np.int32), np.full(n, chunk),

@@ -11,11 +11,19 @@ Which key a query may see is computed from per-token ids (`MaskIds`), never pass
 - `pallas`: blockwise with its forward as one Pallas kernel, `models/attention_tpu.py` (Mosaic) on
   TPU, `models/attention_gpu.py` (Triton) on GPU: a pair's scores never reach HBM. Same backward as
   blockwise. On CPU the TPU kernel runs in Pallas interpret mode (exact, slow: for tests).
-- `auto`: dense where one block holds every score (short rows, a decode step); otherwise pallas on TPU
-  and GPU where the kernel takes the blocks, blockwise elsewhere. Logged once per shape.
+- `auto`: dense where one block holds every score (short rows); otherwise pallas on TPU and GPU where
+  the kernel takes the blocks, blockwise elsewhere. Logged once per shape.
 
-The pair loop is a `models.loops.fori` of kind "attention" (a while loop: see there), so
-`launch.plan` counts its cost.
+Over the sampler's KV cache (`cached`) the mask is only "slot <= position", and a row's filled
+slots end at its length, so attention is bounded by the rows' lengths: key blocks past the longest
+row's are never read. A decode step (one query per row) and, off the kernels, a prefill chunk run
+one online-softmax loop over the filled key blocks, its trip count known only at run time; a
+prefill chunk on TPU / GPU runs the kernel. XLA has no ragged loop, so within a call a row shorter
+than the longest reads the blocks up to the longest (masked): the sampler gathers the rows of a call
+where it can, so idle rows are not among them (`cope_jax/decode.py`).
+
+The pair loop is a `models.loops.fori` of kind "attention" and the cache loop one of kind "cache"
+(while loops: see there), so `launch.plan` counts their cost.
 """
 from __future__ import annotations
 
@@ -90,15 +98,24 @@ def packed_ids(segment_ids, positions, branch_ids=None) -> MaskIds:
     return MaskIds(segment_ids, index, branch_ids, first, segment_ids, index, branch_ids, positions, packed=True)
 
 
-def cache_ids(positions, max_len: int) -> MaskIds:
-    """Ids of queries at `positions` [B, T] over a KV cache of `max_len` slots: slot s is visible
-    to a query at position p when s <= p (slots hold positions)."""
-    positions = jnp.asarray(positions, jnp.int32)
-    B, T = positions.shape
-    zq = jnp.zeros((B, T), jnp.int32)
-    slots = jnp.broadcast_to(jnp.arange(max_len, dtype=jnp.int32), (B, max_len))
-    zk = jnp.zeros((B, max_len), jnp.int32)
-    return MaskIds(zq, positions, zq, zq, zk, slots, zk, slots)
+@flax.struct.dataclass
+class CacheIds:
+    """Queries at `positions` [B, T] over a KV cache (slot == position): slot s is visible to the
+    query at position p when s <= p. filled [B]: the slots row b's queries read at most, its length
+    after the call (0 for a row that appends nothing: its outputs are unused). Attention reads no
+    key block past the longest row's `filled`."""
+
+    positions: jax.Array
+    filled: jax.Array
+
+    def mask_ids(self, max_len: int) -> MaskIds:
+        """The same rule as `MaskIds` over `max_len` slots (for the blockwise kernels and tests)."""
+        positions = jnp.asarray(self.positions, jnp.int32)
+        B, T = positions.shape
+        zq = jnp.zeros((B, T), jnp.int32)
+        slots = jnp.broadcast_to(jnp.arange(max_len, dtype=jnp.int32), (B, max_len))
+        zk = jnp.zeros((B, max_len), jnp.int32)
+        return MaskIds(zq, positions, zq, zq, zk, slots, zk, slots)
 
 
 def allowed(queries, keys) -> jax.Array:
@@ -119,13 +136,36 @@ def attention(q, k, v, ids: MaskIds, *, implementation: str = "auto", block: int
     mesh: the devices the program is compiled for (default: the default backend's): it names the
     platform (a program compiled ahead of time for a TPU topology on a CPU host is a TPU program) and
     how the kernel's rows and heads are split."""
-    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    platform = _platform(mesh)
     chosen = choose(implementation, q.shape[1], k.shape[1], q.shape[-1], block, ids.packed, platform)
     if chosen == "dense":
         return dense(q, k, v, ids)
-    kernel = None if chosen == "blockwise" else Kernel(platform if platform in KERNELS else "tpu",
-                                                       platform not in KERNELS, mesh)
-    return blockwise(q, k, v, ids, block=block, kernel=kernel)
+    return blockwise(q, k, v, ids, block=block, kernel=None if chosen == "blockwise" else _kernel(platform, mesh))
+
+
+def cached(q, kv, layer: int, ids: CacheIds, *, implementation: str = "auto", block: int = 512,
+           mesh: Mesh | None = None):
+    """q [B, T, H, D] over cache row `layer` of the stacked cache window kv = (k, v [L, B, S, K, D])
+    -> (out [B, T, H, D], kv: the same cache, threaded through the loop that read it).
+
+    The kernel where `choose` takes it for a prefill chunk (T > 1: its blocks of queries fill the
+    TPU's tiles); otherwise `cache_loop`, whatever `implementation` says: it computes what dense
+    would, reading only the filled key blocks."""
+    platform = _platform(mesh)
+    T, S = q.shape[1], kv[0].shape[2]
+    if T > 1 and choose(implementation, T, S, q.shape[-1], block, False, platform) == "pallas":
+        k, v = (a[layer].astype(q.dtype) for a in kv)
+        return blockwise(q, k, v, ids.mask_ids(S), block=block, kernel=_kernel(platform, mesh)), kv
+    return cache_loop(q, kv, layer, ids, block=block)
+
+
+def _platform(mesh: Mesh | None) -> str:
+    return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+
+
+def _kernel(platform: str, mesh: Mesh | None) -> "Kernel":
+    """The platform's kernel; off TPU and GPU the TPU kernel in interpret mode."""
+    return Kernel(platform if platform in KERNELS else "tpu", platform not in KERNELS, mesh)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,27 +287,66 @@ def _flash_forward(blocks: Blocks, q, k, v, queries, keys):
     pairs = jnp.asarray(blocks.pairs, jnp.int32)
 
     def body(n, carry):
-        acc, m, l = carry
         i, j = pairs[n, 0] * blocks.bq, pairs[n, 1] * blocks.bk
         s, mask = _scores(blocks, q, k, queries, keys, i, j, scale)
-        m_old, l_old, acc_old = (_rows(x, i, blocks.bq) for x in (m, l, acc))
-        m_new = jnp.maximum(m_old, s.max(-1))
-        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-        correction = jnp.exp(m_old - m_new)
-        vb = _rows(v, j, blocks.bk)
-        pv = jnp.einsum("btkgs,bskd->btkgd", p.astype(v.dtype), vb, preferred_element_type=jnp.float32)
-        acc = _put(acc, acc_old * correction[..., None] + pv, i)
-        m = _put(m, m_new, i)
-        l = _put(l, l_old * correction + p.sum(-1), i)
-        return acc, m, l
+        rows = _online_step(*(_rows(x, i, blocks.bq) for x in carry), s, mask, _rows(v, j, blocks.bk))
+        return tuple(_put(x, r, i) for x, r in zip(carry, rows))
 
-    init = (jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:-1], NEG_INF, jnp.float32),
-            jnp.zeros(q.shape[:-1], jnp.float32))
-    acc, m, l = loops.fori("attention", len(blocks.pairs), body, init)
+    acc, m, l = loops.fori("attention", len(blocks.pairs), body, _online_init(q.shape))
+    return _online_result(acc, m, l, q.dtype)
+
+
+def cache_loop(q, kv, layer: int, ids: CacheIds, *, block: int = 512):
+    """`cached`'s XLA path: an online softmax over key blocks of `block` slots, as many as the
+    longest row's `filled` needs (a `loops.fori` of kind "cache" with a run-time trip count), so the
+    blocks past it are neither read nor computed. q [B, T, H, D], kv = (k, v [L, B, S, K, D])
+    -> (out [B, T, H, D], kv).
+
+    The cache goes through the loop's carry and comes out as its result: a loop that only captured
+    it would need its own copy of it, because the next layer writes into it in place. Each block is
+    sliced (and cast to q's dtype) inside the loop, for the same reason."""
+    B, T, H, D = q.shape
+    S, K = kv[0].shape[2], kv[0].shape[3]
+    bk = min(block, S)
+    qg = q.reshape(B, T, K, H // K, D)
+
+    def body(j, carry):
+        (k, v), online = carry
+        start = jnp.minimum(j * bk, S - bk)  # where bk does not divide S the last block overlaps the one before
+        slots = start + jnp.arange(bk, dtype=jnp.int32)
+        kb, vb = (jax.lax.dynamic_slice(a, (layer, 0, start, 0, 0), (1, B, bk, K, D))[0].astype(q.dtype)
+                  for a in (k, v))
+        s = jnp.einsum("btkgd,bskd->btkgs", qg, kb, preferred_element_type=jnp.float32) * D ** -0.5
+        # slots of an overlapped block were counted by the block before; a block past the end is all masked
+        mask = ((slots >= j * bk) & (slots <= ids.positions[:, :, None]))[:, :, None, None, :]
+        return (k, v), _online_step(*online, jnp.where(mask, s, NEG_INF), mask, vb)
+
+    trips = (jnp.max(ids.filled) + bk - 1) // bk
+    kv, (acc, m, l) = loops.fori("cache", trips, body, (tuple(kv), _online_init(qg.shape)))
+    return _online_result(acc, m, l, q.dtype)[0].reshape(B, T, H, D), kv
+
+
+def _online_init(shape):
+    """(acc, running max, running sum) of queries of `shape` [..., D] before any key."""
+    return (jnp.zeros(shape, jnp.float32), jnp.full(shape[:-1], NEG_INF, jnp.float32),
+            jnp.zeros(shape[:-1], jnp.float32))
+
+
+def _online_step(acc, m, l, s, mask, vb):
+    """One key block of the online softmax: scores s [B, t, K, G, s] (masked to NEG_INF), its mask,
+    values vb [B, s, K, D] -> the updated (acc, m, l). A fully masked block leaves them unchanged."""
+    m_new = jnp.maximum(m, s.max(-1))
+    p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+    correction = jnp.exp(m - m_new)
+    pv = jnp.einsum("btkgs,bskd->btkgd", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
+    return acc * correction[..., None] + pv, m_new, l * correction + p.sum(-1)
+
+
+def _online_result(acc, m, l, dtype):
+    """-> (out, log-sum-exp): a query that saw no key gets 0 and lse +inf (p = 0 in the backward)."""
     seen = l > 0
-    out = (acc / jnp.where(seen, l, 1.0)[..., None]).astype(q.dtype)
-    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)  # inf: p = 0 in the backward
-    return out, lse
+    out = (acc / jnp.where(seen, l, 1.0)[..., None]).astype(dtype)
+    return out, jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
 
 
 def _flash_fwd(blocks, kernel, packed, q, k, v, queries, keys):

@@ -4,7 +4,8 @@ The GPU twin of `models/attention_tpu.py`: the same online softmax and the same 
 tile from the ids (`MaskIds`), so packed rows and forecasting branches run in the kernel. Triton has
 no tiling constraints, so the kernel reads q, k, v and writes the output in the model's own layouts
 ([B, T, H, D], [B, S, K, D]: no transposes) and the ids as plain [4, B, T] rows. Each program keeps
-its query tile in registers and loops over key tiles, for packed rows only up to the diagonal.
+its query tile in registers and loops over key tiles up to its last query's (for packed rows the
+diagonal, over a cache the row's filled slots).
 `models/attention.py` owns the padding and the backward.
 
 Off GPU it runs in Pallas interpret mode: exact and slow, for the tests.
@@ -38,7 +39,7 @@ def forward(bq: int, bk: int, packed: bool, q, k, v, queries, keys, *, interpret
     Sp, H = k.shape[1], K * G
     nq, nk = Tp // TILE, Sp // TILE
     out, lse = pl.pallas_call(
-        functools.partial(_kernel, scale=D ** -0.5, packed=packed, nk=nk),
+        functools.partial(_kernel, scale=D ** -0.5, nk=nk),
         grid=(B, H, nq),
         in_specs=[pl.BlockSpec((4, None, TILE), lambda b, h, i: (0, b, i)),
                   pl.BlockSpec((4, None, Sp), lambda b, h, i: (0, b, 0)),
@@ -64,7 +65,7 @@ def _cost(B, H, nq, nk, D, packed, itemsize) -> pl.CostEstimate:
     return pl.CostEstimate(flops=4 * scores * D, transcendentals=scores, bytes_accessed=moved * itemsize)
 
 
-def _kernel(q_ids, k_ids, q_ref, k_ref, v_ref, out_ref, lse_ref, *, scale, packed, nk):
+def _kernel(q_ids, k_ids, q_ref, k_ref, v_ref, out_ref, lse_ref, *, scale, nk):
     i = pl.program_id(2)
     q = q_ref[...]  # [TILE, D]
     queries = tuple(q_ids[c, :][:, None] for c in range(4))  # [TILE, 1] each
@@ -83,8 +84,10 @@ def _kernel(q_ids, k_ids, q_ref, k_ref, v_ref, out_ref, lse_ref, *, scale, packe
 
     init = (jnp.zeros(q.shape, jnp.float32), jnp.full((q.shape[0],), NEG_INF, jnp.float32),
             jnp.zeros((q.shape[0],), jnp.float32))
-    # packed rows: keys come in the queries' order, so tiles after the query tile are masked whole
-    acc, m, l = jax.lax.fori_loop(0, i + 1 if packed else nk, body, init)
+    # keys are in index order (0.. in packed rows, slot == index over a cache) and a query sees no key
+    # of a higher index: tiles after the tile's last query are masked whole (packed rows: the
+    # diagonal; a cache: the row's filled slots), so the loop stops there
+    acc, m, l = jax.lax.fori_loop(0, jnp.minimum(jnp.max(q_ids[1, :]) // TILE + 1, nk), body, init)
     seen = l > 0
     out_ref[...] = (acc / jnp.where(seen, l, 1.0)[:, None]).astype(out_ref.dtype)
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)

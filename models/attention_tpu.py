@@ -8,9 +8,11 @@ the forecasting branches (data-dependent masks no shipped kernel takes) run here
 Layouts follow the TPU's (8, 128) tiles: queries [B, H, Tp, D] in blocks [bq, D]; keys / values
 [B, K, Sp, D] in blocks [bk, D] (query head h reads KV head h // G); query ids broadcast over 128
 lanes [4, B, Tp, 128], key ids over 8 sublanes [4, B, 8, Sp]; running max / sum kept lane-broadcast
-in scratch [bq, 128]. The grid is (B, H, query blocks, key blocks), the last axis sequential. For
-packed rows the pairs above the diagonal are skipped and their key blocks not even fetched (the index
-map repeats the diagonal block, which is already resident).
+in scratch [bq, 128]. The grid is (B, H, query blocks, key blocks), the last axis sequential. A key
+block after every query of a query block (the mask's index rule) is skipped and not even fetched: the
+last key block each (row, query block) needs is prefetched into scalar memory, and past it the index
+map repeats that block, which is already resident. So packed rows skip the pairs above the diagonal,
+and a prefill chunk reads its row's cache only as far as the row is filled.
 
 Off TPU the kernel runs in Pallas interpret mode: exact and slow, for the tests.
 """
@@ -44,39 +46,46 @@ def forward(bq: int, bk: int, packed: bool, q, k, v, queries, keys, *, interpret
     kh, vh = (a.transpose(0, 2, 1, 3) for a in (k, v))
     q_ids = jnp.broadcast_to(jnp.stack(queries)[:, :, None, :], (4, B, SUBLANES, Tp))
     k_ids = jnp.broadcast_to(jnp.stack(keys)[:, :, None, :], (4, B, SUBLANES, Sp))
+    # keys are in index order (slot == index over a cache, 0.. in packed rows): block j holds indices
+    # from j * bk, and a query sees no key of a higher index than its own
+    last = jnp.clip(jnp.max(queries[1].reshape(B, nq, bq), axis=2) // bk, 0, nk - 1).astype(jnp.int32)
 
-    def key_block(b, h, i, j):
-        return (b, h // G, jnp.minimum(i, j) if packed else j, 0)
+    def key_block(b, h, i, j, last):
+        return (b, h // G, jnp.minimum(j, last[b, i]), 0)
 
-    def key_ids_block(b, h, i, j):
-        return (0, b, 0, jnp.minimum(i, j) if packed else j)
+    def key_ids_block(b, h, i, j, last):
+        return (0, b, 0, jnp.minimum(j, last[b, i]))
 
-    out, lse = pl.pallas_call(
-        functools.partial(_kernel, scale=D ** -0.5, packed=packed, nk=nk),
-        grid=(B, H, nq, nk),
-        in_specs=[pl.BlockSpec((4, None, SUBLANES, bq), lambda b, h, i, j: (0, b, 0, i)),
+    grid = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1, grid=(B, H, nq, nk),
+        in_specs=[pl.BlockSpec((4, None, SUBLANES, bq), lambda b, h, i, j, last: (0, b, 0, i)),
                   pl.BlockSpec((4, None, SUBLANES, bk), key_ids_block),
-                  pl.BlockSpec((None, None, bq, D), lambda b, h, i, j: (b, h, i, 0)),
+                  pl.BlockSpec((None, None, bq, D), lambda b, h, i, j, last: (b, h, i, 0)),
                   pl.BlockSpec((None, None, bk, D), key_block),
                   pl.BlockSpec((None, None, bk, D), key_block)],
-        out_specs=[pl.BlockSpec((None, None, bq, D), lambda b, h, i, j: (b, h, i, 0)),
-                   pl.BlockSpec((None, None, 1, bq), lambda b, h, i, j: (b, h, 0, i))],
+        out_specs=[pl.BlockSpec((None, None, bq, D), lambda b, h, i, j, last: (b, h, i, 0)),
+                   pl.BlockSpec((None, None, 1, bq), lambda b, h, i, j, last: (b, h, 0, i))],
+        scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, LANES), jnp.float32),
+                        pltpu.VMEM((bq, D), jnp.float32)])
+    out, lse = pl.pallas_call(
+        functools.partial(_kernel, scale=D ** -0.5, nk=nk),
+        grid_spec=grid,
         out_shape=[jax.ShapeDtypeStruct((B, H, Tp, D), q.dtype),
                    jax.ShapeDtypeStruct((B, H, 1, Tp), jnp.float32)],
-        scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, LANES), jnp.float32),
-                        pltpu.VMEM((bq, D), jnp.float32)],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret,
         cost_estimate=_cost(B, H, nq, nk, bq, bk, D, packed, q.dtype.itemsize),
-    )(q_ids, k_ids, qh, kh, vh)
+    )(last, q_ids, k_ids, qh, kh, vh)
     out = out.transpose(0, 2, 1, 3).reshape(B, Tp, K, G, D)
     lse = lse[:, :, 0].transpose(0, 2, 1).reshape(B, Tp, K, G)
     return out, lse
 
 
 def _cost(B, H, nq, nk, bq, bk, D, packed, itemsize) -> pl.CostEstimate:
-    """What the kernel computes and moves, for the compiler's cost analysis (it cannot see inside)."""
+    """What the kernel computes and moves, for the compiler's cost analysis (it cannot see inside):
+    the pairs on and below the diagonal of packed rows, every pair over a cache (a bound: how far
+    the rows are filled is known only at run time)."""
     pairs = nq * (nq + 1) // 2 if packed else nq * nk
     scores = B * H * pairs * bq * bk
     fetched = B * H * (nq * bq * D + 2 * (pairs if packed else nq * nk) * bk * D)  # q once, k/v per pair
@@ -84,8 +93,8 @@ def _cost(B, H, nq, nk, bq, bk, D, packed, itemsize) -> pl.CostEstimate:
                            bytes_accessed=(fetched + B * H * nq * bq * D) * itemsize)
 
 
-def _kernel(q_ids, k_ids, q_ref, k_ref, v_ref, out_ref, lse_ref, m_ref, l_ref, acc_ref, *, scale, packed, nk):
-    i, j = pl.program_id(2), pl.program_id(3)
+def _kernel(last_ref, q_ids, k_ids, q_ref, k_ref, v_ref, out_ref, lse_ref, m_ref, l_ref, acc_ref, *, scale, nk):
+    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     bk = k_ref.shape[0]
 
     @pl.when(j == 0)
@@ -94,7 +103,7 @@ def _kernel(q_ids, k_ids, q_ref, k_ref, v_ref, out_ref, lse_ref, m_ref, l_ref, a
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    @pl.when(j <= i if packed else True)
+    @pl.when(j <= last_ref[b, i])
     def _pair():
         s = jax.lax.dot_general(q_ref[...], k_ref[...], (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32) * scale  # [bq, bk]

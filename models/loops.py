@@ -16,8 +16,8 @@ import contextlib
 
 import jax
 
-KINDS = ("layers", "chunks", "micro", "attention")  # decoder layers, logits chunks, micro-batches,
-# blockwise attention's (query block, key block) pairs
+KINDS = ("layers", "chunks", "micro", "attention", "cache")  # decoder layers, logits chunks,
+# micro-batches, blockwise attention's (query block, key block) pairs, the filled key blocks of a KV cache
 
 _UNROLLED = jax.make_user_context(default_value=None)
 
@@ -42,16 +42,24 @@ def scan(kind: str, body, init, xs, length: int | None = None):
     return jax.lax.scan(body, init, xs, length=length, unroll=_factor(kind))
 
 
-def fori(kind: str, trips: int, body, init):
+def fori(kind: str, trips, body, init):
     """`body(i, carry) -> carry` for i in 0..trips-1 as a `while_loop`, for loops that are never
-    differentiated (they live inside a custom VJP). Unlike a scan, a while loop is not split into
-    known and unknown halves when an enclosing scan is differentiated under remat, which would
-    stack every iteration's known values (e.g. attention masks) as residuals. Unrolled by `factor`
-    like `scan`: `factor` bodies per iteration and the remainder peeled after the loop."""
+    differentiated (they live inside a custom VJP, or count what only the run knows). Unlike a scan,
+    a while loop is not split into known and unknown halves when an enclosing scan is differentiated
+    under remat, which would stack every iteration's known values (e.g. attention masks) as
+    residuals. Unrolled by `factor` like `scan`: `factor` bodies per iteration and the remainder
+    peeled after the loop.
+
+    trips: an int, or a traced count (a loop as long as the data: the filled cache blocks). Then
+    the last round runs whole, so `body` must leave the carry as it is for i >= trips, and an
+    entire unroll is one body."""
     factor = _factor(kind)
-    if factor is True:
-        factor = trips
-    rounds, rest = divmod(trips, factor)
+    if not isinstance(trips, int):
+        factor = 1 if factor is True else factor
+        rounds, rest = (trips + factor - 1) // factor, 0
+    else:
+        factor = trips if factor is True else factor
+        rounds, rest = divmod(trips, factor)
 
     def step(state):
         i, carry = state

@@ -185,7 +185,8 @@ class Qwen(nnx.Module):
         t = jnp.arange(T)
         positions = cache.lengths[:, None] + t[None, :]
         slots = jnp.where(t[None, :] < num_new[:, None], positions, cache.max_len)  # OOB -> dropped
-        ids = attn.cache_ids(positions, cache.max_len)
+        filled = jnp.where(num_new > 0, jnp.minimum(cache.lengths + num_new, cache.max_len), 0)
+        ids = attn.CacheIds(positions, filled)
         x, (k, v) = self._run_layers(tokens, positions, ids, cache=(cache.k, cache.v, slots),
                                      layer_weights=layer_weights)
         lengths = jnp.minimum(cache.lengths + num_new, cache.max_len)
@@ -303,8 +304,9 @@ def _decoder_layer(p: dict[str, jax.Array], x, kv, layer, slots, *, cfg: QwenCon
     """One pre-norm decoder layer -> (x, kv). p: one layer's weights, stored layout or (with
     decode_layout) `Qwen.layer_weights`'.
 
-    kv: None (attend over the T tokens themselves), or the stacked cache (k, v [L,B,S,K,D]): this
-    layer's K/V are written at [layer, b, slots[b, t]] and attention reads cache row `layer`.
+    kv: None (attend over the T tokens themselves, ids a `MaskIds`), or the stacked cache
+    (k, v [L,B,S,K,D]): this layer's K/V are written at [layer, b, slots[b, t]] and attention reads
+    cache row `layer` as far as it is filled (ids a `CacheIds`).
     residual: the logical axes the residual stream is kept on.
     x arrives and leaves in the compute dtype and is summed in float32 within the layer: one rounding
     per layer (transformers rounds after each add), and half the bytes a float32 stream would take in
@@ -324,14 +326,13 @@ def _decoder_layer(p: dict[str, jax.Array], x, kv, layer, slots, *, cfg: QwenCon
         k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     q = shd.constrain(q, ("batch", "seq", "q_heads", "head_dim"), mesh)
-    attend = functools.partial(attn.attention, ids=ids, implementation=cfg.attention, block=cfg.attention_block,
-                               mesh=mesh)
+    knobs = dict(implementation=cfg.attention, block=cfg.attention_block, mesh=mesh)
     if kv is None:
-        o = attend(q, k, v)
+        o = attn.attention(q, k, v, ids, **knobs)
     else:
         rows = jnp.arange(k.shape[0])[:, None]
         kv = tuple(c.at[layer, rows, slots].set(new.astype(c.dtype), mode="drop") for c, new in zip(kv, (k, v)))
-        o = attend(q, kv[0][layer].astype(dtype), kv[1][layer].astype(dtype))
+        o, kv = attn.cached(q, kv, layer, ids, **knobs)
     x = x + proj(("o_proj",), o, out_shapes=((E,),))[0]
     x = shd.constrain(x, residual, mesh)
     h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps).astype(dtype)

@@ -109,7 +109,7 @@ def test_the_tree_mask_is_the_trunk_prefix_rule():
 def test_blocked_implementations_equal_dense_over_a_kv_cache(implementation, block):
     """The sampler's prefill: 37 queries per row at different cache offsets over 300 slots."""
     positions = jnp.asarray([np.arange(37), 250 + np.arange(37)], jnp.int32)
-    ids = attn.cache_ids(positions, 300)
+    ids = attn.CacheIds(positions, jnp.full((2,), 300)).mask_ids(300)
     q, k, v = _qkv(1, 2, 37, 300, 4, 2, 64)
     want = attn.dense(q, k, v, ids)
     np.testing.assert_allclose(_blocked(implementation, block)(q, k, v, ids), want, atol=1e-5, rtol=0)
@@ -301,3 +301,31 @@ def test_the_attention_bench_puts_blockwise_next_to_dense():
     assert ratio["implementation"] == "blockwise"
     assert ratio["temp_ratio"] == pytest.approx(runs["blockwise"]["temp_gb"] / runs["dense"]["temp_gb"], abs=1e-3)
     assert ratio["temp_ratio"] < 0.5
+
+
+@pytest.mark.parametrize("T,block", [(1, 64), (37, 64), (5, 300), (1, 512)])
+def test_the_cache_loop_equals_dense_over_the_filled_slots(T, block):
+    """Rows at different lengths in a window of 300 slots (blocks of 64: the last one overlaps the
+    one before), one row appending nothing: every query that counts gets dense's output."""
+    S = 300
+    filled = np.array([40, 300, 0, 170])
+    positions = jnp.asarray(np.maximum(filled - T, 0)[:, None] + np.arange(T)[None], jnp.int32)
+    ids = attn.CacheIds(positions, jnp.asarray(filled, jnp.int32))
+    q, k, v = _qkv(4, 4, T, S, 4, 2, 64)
+    want = np.asarray(attn.dense(q, k, v, ids.mask_ids(S)))
+    got = np.asarray(jax.jit(lambda q, k, v: attn.cache_loop(q, (k[None], v[None]), 0, ids, block=block)[0])(q, k, v))
+    used = filled > 0
+    np.testing.assert_allclose(got[used], want[used], atol=1e-5, rtol=0)
+
+
+def test_the_cache_loop_reads_only_the_longest_rows_blocks():
+    """The loop's trip count is the longest row's filled blocks: a row at 100 slots of a 4,096-slot
+    window runs one block (the body counted once by the compiler), and changing the blocks past it
+    changes nothing."""
+    S, block = 4096, 128
+    q, k, v = _qkv(2, 2, 1, S, 4, 2, 64)
+    ids = attn.CacheIds(jnp.asarray([[99], [20]], jnp.int32), jnp.asarray([100, 21], jnp.int32))
+    fn = jax.jit(lambda q, k, v: attn.cache_loop(q, (k[None], v[None]), 0, ids, block=block)[0])
+    want = np.asarray(fn(q, k, v))
+    noise = jnp.zeros_like(k).at[:, 128:].set(jnp.nan)
+    np.testing.assert_array_equal(np.asarray(fn(q, k + noise, v + noise)), want)

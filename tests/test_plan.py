@@ -4,6 +4,7 @@ The per-chip state bytes are checked against the trainer's real arrays on 8 fake
 temporaries against an independent AOT compile of the step, the TPU limits against the TPU
 compiler's refusals, and the trip-count arithmetic against a program without loops.
 """
+import dataclasses
 import json
 import os
 import subprocess
@@ -166,13 +167,38 @@ def test_the_sampler_programs_report_the_bytes_they_must_move():
     assert r.bytes_ratio == pytest.approx(r.hbm_bytes / r.must_bytes)
 
 
+def test_a_short_row_in_a_long_window_costs_what_a_short_window_costs():
+    """The decode step reads only the filled key blocks. By the TPU compiler's count (v5e-8, a
+    small model with 128-wide heads in bf16, key blocks of 128): a call whose rows hold at most 100
+    tokens costs in a window of 4,096 slots what it costs in a window of 128, and a full window of
+    4,096 costs more by at least the KV cache it then reads."""
+    target = targets.get_target("v5e-8")
+
+    def decode(window, filled):
+        c = _tiny_config()
+        c.rollout.max_len = window
+        cfg = run_config.random_model_config(c, 1024).replace(num_layers=2, attention_block=128, head_dim=128,
+                                                                dtype="bfloat16")
+        _, progs = programs.run_programs(c, cfg, targets.devices(target), (1, 8, 1))
+        p = next(p for p in progs if p.name == "decode")
+        assert p.loops["cache"].trips == window // 128
+        p = dataclasses.replace(p, loops=dict(p.loops, cache=programs._cache_trips(cfg, filled)))
+        return measure.measure(p, target).hbm_bytes, p.must_bytes - p.param_bytes
+
+    short, _ = decode(128, 100)
+    long, _ = decode(4096, 100)
+    full, kv = decode(4096, 4096)
+    assert long <= 1.05 * short, (long, short)
+    assert full - long >= 0.95 * kv, (full, long, kv)
+
+
 @pytest.mark.parametrize("topology", ["v5e-8", "v4-8"])
 def test_tiny_plan_on_v5e_and_v4_fits_and_reports_every_program(topology):
     """(The cost compiles are tested in-process: test_cost_counts_every_loop_iteration.)"""
     rc, out, err = _run("--config=configs/demo.py", f"--topology={topology}", "--json", "--nocost", *TINY)
     assert rc == 0, err
     records = _records(out)
-    assert [r["program"] for r in records[:-1]] == ["train_step", "logprobs", "prefill", "decode"]
+    assert [r["program"] for r in records[:-1]] == ["train_step", "logprobs", "prefill", "decode", "decode@fill"]
     assert all(r["fits"] and r["total"] > r["params"] > 0 for r in records[:-1])
     # AdamW: mu and nu like the parameters, and two scalar step counters
     assert records[0]["temporaries"] > 0 and records[0]["optimizer"] == 2 * records[0]["params"] + 8

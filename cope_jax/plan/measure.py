@@ -140,7 +140,7 @@ def _compiler_cost(program: Program, target: Target) -> tuple[float, float] | No
                     continue
                 with loops.unrolled(kind):
                     f2, b2 = _counted(program.lower().compile(compiler_options=options))
-                per = loops.trips_counted(loop.trips)
+                per = 1 if loop.traced else loops.trips_counted(loop.trips)  # a traced count peels nothing
                 flops += loop.times * (loop.trips - 1) * (f2 - base[0]) / per
                 hbm += loop.times * (loop.trips - 1) * (b2 - base[1]) / per
     except Exception as e:

@@ -48,6 +48,7 @@ class Loop(NamedTuple):
     trips: int
     times: int = 1
     whole: bool = False
+    traced: bool = False  # its trip count is the data's (`loops.fori` on a traced count): `trips` is the planned one
 
 
 @dataclasses.dataclass
@@ -190,29 +191,39 @@ def _sampler_programs(c, model_cfg, layout: Layout, replica) -> list[Program]:
     B, W, chunk = sampler.batch_size, sampler.max_len, sampler.chunks[-1]
     steps = int(min(c.rollout.max_turn_tokens, W))
     ways = _row_ways(B, mesh) * _tp(mesh)
-    lowered = {}
-
-    def lower(name):
-        def run():
-            lowered.clear()  # each call traces afresh (the planner's unrolled variants)
-            lowered.update(sampler.lower(steps))
-            return lowered[name]
-        return run
-
     cache = sampler.abstract_state().cache
     cache_bytes = per_chip_bytes((cache.k, cache.v))
     platform = _platform(mesh)
-    decode_flops = _forward_flops(model_cfg, 1, W, platform, packed=False, logits=True) * B / ways
-    layers = {"layers": Loop(model_cfg.num_layers)}
+
+    def lower(name, rows=None):
+        def run():  # each call traces afresh (the planner's unrolled variants)
+            return sampler.lower(steps, rows=rows)[name]
+        return run
+
+    def decode(name: str, rows: int, filled: int, shape: str) -> Program:
+        """The decode step with `rows` rows decoding, each at `filled` of the window's slots."""
+        flops = _forward_flops(model_cfg, 1, filled, platform, packed=False, logits=True) * rows / ways
+        return Program(name, lower("decode", rows), shape, rows,
+                       {"layers": Loop(model_cfg.num_layers, whole=True), "cache": _cache_trips(model_cfg, filled)},
+                       param_bytes, 0, resident, flops, must_bytes=param_bytes + cache_bytes * rows * filled / (B * W))
+
+    active, half = -(-3 * B // 4), W // 2
+    prefill_loops = {"layers": Loop(model_cfg.num_layers)}
+    if _chosen(model_cfg, chunk, W, False, platform) != "pallas":  # the kernel has no loop of ours
+        prefill_loops["cache"] = _cache_trips(model_cfg, W, model_cfg.num_layers if model_cfg.scan_layers else 1)
     return [
-        Program("prefill", lower("prefill"), f"{B} x {chunk} into {W}", B * chunk,
-                {**layers, **_attention_loop(model_cfg, chunk, W, False, platform)}, param_bytes, 0, resident,
-                _forward_flops(model_cfg, chunk, W, platform, packed=False, logits=False) * B * chunk / ways,
+        Program("prefill", lower("prefill"), f"{B} x {chunk} into {W}", B * chunk, prefill_loops, param_bytes, 0,
+                resident, _forward_flops(model_cfg, chunk, W, platform, packed=False, logits=False) * B * chunk / ways,
                 must_bytes=param_bytes + cache_bytes),  # the cache before the chunk read, the chunk written
-        Program("decode", lower("decode"), f"{B} rows, window {W}", B,
-                {"layers": Loop(model_cfg.num_layers, whole=True), **_attention_loop(model_cfg, 1, W, False, platform)},
-                param_bytes, 0, resident, decode_flops, must_bytes=param_bytes + cache_bytes),
+        decode("decode", B, W, f"{B} rows, window {W}"),
+        # what a rollout mostly runs: rows half way through their window, a quarter of them idle
+        decode("decode@fill", active, half, f"{active} of {B} rows at {half} of {W}"),
     ]
+
+
+def _cache_trips(cfg: QwenConfig, filled: int, times: int = 1) -> Loop:
+    """The cache loop (`attention.cache_loop`) over `filled` slots: a trip per key block."""
+    return Loop(-(-filled // cfg.attention_block), times, traced=True)
 
 
 # -- analytical counts (per token) ------------------------------------------------------------------
