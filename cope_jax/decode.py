@@ -59,11 +59,14 @@ def bucket(n: int, buckets: Sequence[int]) -> int:
 
 
 class RowLayout:
-    """Maps per-request arrays onto the rows a device call runs: a power-of-two bucket of gathered
-    rows (compact; padding rows point at index B and are dropped on write) or the whole batch."""
+    """Maps per-request arrays onto the rows a device call runs: a bucket of gathered rows
+    (`compact`; padding rows point at index B and are dropped on write) or the whole batch in place.
+    A call whose bucket is the whole batch runs in place: gathering every row would only copy the
+    cache twice."""
 
-    def __init__(self, rows: np.ndarray, batch_size: int, buckets: Sequence[int], compact: bool):
-        if compact:
+    def __init__(self, rows: np.ndarray, batch_size: int, buckets: Sequence[int], gather: bool):
+        self.compact = gather and bucket(len(rows), buckets) < batch_size
+        if self.compact:
             size = bucket(len(rows), buckets)
             self.rows = np.full(size, batch_size, np.int32)
             self.rows[:len(rows)] = rows

@@ -104,8 +104,8 @@ class Sampler:
         self._unused_key = None
         # a call gathers its rows, so idle rows cost it nothing, unless the mesh splits rows over
         # devices: then they stay in place (moving caches across devices costs more than their reads)
-        self.compact = self.mesh is None or shd.logical_to_spec(("batch",), (self.batch_size,), self.mesh)[0] is None
-        self.row_buckets = row_buckets(self.batch_size) if self.compact else (self.batch_size,)
+        self.gather = self.mesh is None or shd.logical_to_spec(("batch",), (self.batch_size,), self.mesh)[0] is None
+        self.row_buckets = row_buckets(self.batch_size) if self.gather else (self.batch_size,)
         self.windows = power_buckets(min(min_window, self.max_len), self.max_len)
         self.chunks = power_buckets(min(16, prefill_chunk), min(prefill_chunk, self.max_len))
         self._shardings = self._state_shardings()
@@ -244,7 +244,7 @@ class Sampler:
                 report_finished(run, lay.index, reported, on_finish)
         finally:  # the cache holds what was decoded, even if a callback raised
             state.cache, state.next_input = decode_end(state.cache, state.next_input, run["cache"], run["next_input"],
-                                                       lay.rows, window=window, compact=self.compact,
+                                                       lay.rows, window=window, compact=lay.compact,
                                                        shardings=self._shardings)
             counts = np.asarray(run["n"])[lay.index].astype(np.int64)
             state.cached[rows] += np.where(state.live[rows], counts, 0)  # a callback may free its row
@@ -283,7 +283,7 @@ class Sampler:
         graphdef, params, weights = self._params()
         args = (graphdef, params, weights, state.cache, state.next_input, lay.rows, lay(tokens, 0), lay(counts, 0),
                 lay(prepend, False), lay(set_next_input, -1), lay(reset, False))
-        return args, dict(window=window, compact=self.compact, shardings=self._shardings)
+        return args, dict(window=window, compact=lay.compact, shardings=self._shardings)
 
     def _turn_inputs(self, state, lay, knobs, step_limit, limit_code, eos, stops, keys, *, window: int, steps: int,
                      start=None):
@@ -292,7 +292,7 @@ class Sampler:
         graphdef, params, weights = self._params()
         args = (knobs, lay(step_limit, 0), lay(limit_code, 0), eos, stops, keys[lay(np.arange(len(step_limit)), 0)])
         cache, next_input = (start or decode_start)(state.cache, state.next_input, lay.rows, window=window,
-                                                    compact=self.compact)
+                                                    compact=lay.compact)
         run = new_run(cache, next_input, lay(step_limit, 0), lay(limit_code, 0), steps, stops.shape[1])
         return graphdef, params, weights, run, args
 
@@ -340,7 +340,7 @@ class Sampler:
         return graphdef, params, self._weights
 
     def _layout(self, rows: np.ndarray) -> RowLayout:
-        return RowLayout(rows, self.batch_size, self.row_buckets, self.compact)
+        return RowLayout(rows, self.batch_size, self.row_buckets, self.gather)
 
     def _check_rows(self, state: SamplerState, rows, count: int | None, live: bool = False) -> np.ndarray:
         rows = np.asarray(rows, np.int64).reshape(-1)

@@ -37,6 +37,8 @@ flags.DEFINE_string("mesh", None, "data,fsdp,tp (one may be -1), or 'auto': the 
 flags.DEFINE_string("model", None, "Architecture preset (e.g. Qwen2.5-7B-Instruct); default: from the config.")
 flags.DEFINE_bool("json", False, "Print JSON lines (one per program, then a summary) instead of the table.")
 flags.DEFINE_bool("cost", True, "Compile the cost variants for the roofline estimate (--nocost: memory only).")
+flags.DEFINE_list("programs", [], "Plan only these programs (e.g. prefill,decode,decode@fill: the sampler's, in "
+                  "minutes); default: every program of the run.")
 flags.mark_flags_as_required(["config", "topology"])
 FLAGS = flags.FLAGS
 
@@ -79,7 +81,8 @@ def main(argv):
             planner.resolve_mesh(mesh, target)  # a wrong mesh fails before any compile
         model_cfg, model_name = _model(c)
         log = (lambda msg: None) if FLAGS.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
-        result = planner.plan(c, _config_name(), target, model_cfg, model_name, mesh, cost=FLAGS.cost, log=log)
+        result = planner.plan(c, _config_name(), target, model_cfg, model_name, mesh, cost=FLAGS.cost,
+                              only=tuple(FLAGS.programs), log=log)
     except (ConfigError, ValueError, measure.CompileError) as e:
         sys.exit(f"plan: error: {e}")
     if FLAGS.json:

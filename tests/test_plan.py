@@ -199,6 +199,10 @@ def test_tiny_plan_on_v5e_and_v4_fits_and_reports_every_program(topology):
     assert rc == 0, err
     records = _records(out)
     assert [r["program"] for r in records[:-1]] == ["train_step", "logprobs", "prefill", "decode", "decode@fill"]
+    rc, out, err = _run("--config=configs/demo.py", f"--topology={topology}", "--json", "--nocost", *TINY,
+                        "--programs=decode,prefill")
+    assert rc == 0, err
+    assert [r["program"] for r in _records(out)[:-1]] == ["prefill", "decode"]
     assert all(r["fits"] and r["total"] > r["params"] > 0 for r in records[:-1])
     # AdamW: mu and nu like the parameters, and two scalar step counters
     assert records[0]["temporaries"] > 0 and records[0]["optimizer"] == 2 * records[0]["params"] + 8
@@ -235,6 +239,7 @@ def test_gpu_target_compiles_and_the_planner_checks_its_memory():
     (["--topology=v5e-8", "--mesh=1,4,1"], "mesh (1, 4, 1) has 4 devices but v5e-8 has 8 chips"),
     (["--topology=v5e-8", "--mesh=1,x,1"], "expected 'auto' or three integers"),
     (["--topology=v5e-8", "--model=Qwen9-1B"], "unknown model preset 'Qwen9-1B'"),
+    (["--topology=v5e-8", "--programs=decode,decoder", *TINY], "--programs: no program decoder; this run has"),
 ])
 def test_bad_input_exits_1_with_one_line(args, reason):
     rc, out, err = _run("--config=configs/demo.py", *args)

@@ -70,7 +70,8 @@ def _size(shape) -> int:
 
 
 def plan(c: ml_collections.ConfigDict, config_name: str, target: targets.Target, model_cfg: QwenConfig,
-         model_name: str, mesh, *, cost: bool = True, log=lambda msg: None) -> Plan:
+         model_name: str, mesh, *, cost: bool = True, only: tuple[str, ...] = (), log=lambda msg: None) -> Plan:
+    """only: plan these programs (by name) and no others; () plans every one."""
     t0 = time.perf_counter()
     devices = targets.devices(target)
     hosts = targets.host_devices(target)
@@ -79,6 +80,10 @@ def plan(c: ml_collections.ConfigDict, config_name: str, target: targets.Target,
         mesh, measured = _auto_mesh(c, target, model_cfg, devices, hosts, log)
     mesh = resolve_mesh(mesh, target)
     layout, progs = programs.run_programs(c, model_cfg, devices, mesh, hosts)
+    unknown = sorted(set(only) - {p.name for p in progs})
+    if unknown:
+        raise ValueError(f"--programs: no program {', '.join(unknown)}; this run has {', '.join(p.name for p in progs)}")
+    progs = [p for p in progs if not only or p.name in only]
     results = []
     for p in progs:
         log(f"compiling {p.name} ({p.shape}) for {target.name}, mesh {mesh}")
