@@ -321,8 +321,11 @@ def cache_loop(q, kv, layer: int, ids: CacheIds, *, block: int = 512):
         mask = ((slots >= j * bk) & (slots <= ids.positions[:, :, None]))[:, :, None, None, :]
         return (k, v), _online_step(*online, jnp.where(mask, s, NEG_INF), mask, vb)
 
-    trips = (jnp.max(ids.filled) + bk - 1) // bk
-    kv, (acc, m, l) = loops.fori("cache", trips, body, (tuple(kv), _online_init(qg.shape)))
+    carry = (tuple(kv), _online_init(qg.shape))
+    if bk == S:  # one block holds the window: no loop to run (XLA:CPU pays for each one per layer)
+        kv, (acc, m, l) = body(0, carry)
+    else:
+        kv, (acc, m, l) = loops.fori("cache", (jnp.max(ids.filled) + bk - 1) // bk, body, carry)
     return _online_result(acc, m, l, q.dtype)[0].reshape(B, T, H, D), kv
 
 
