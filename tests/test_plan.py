@@ -60,7 +60,7 @@ def test_every_target_makes_its_devices_and_hosts():
         assert devices[0].platform == ("tpu" if target.platform == "tpu" else "gpu"), target.name
 
 
-@pytest.mark.parametrize("name", ["v4-8", "v5e-8", "v5p-8", "v6e-8"])
+@pytest.mark.parametrize("name", ["v4-8", "v5e-8", "v5p-8", "v6e-8", "tpu7x-8"])
 def test_tpu_limits_are_the_compilers(name):
     """The usable memory in the table is what the TPU compiler itself allows (its refusal says so)."""
     target = targets.get_target(name)
@@ -223,6 +223,17 @@ def test_a_run_that_does_not_fit_exits_2_with_the_compilers_numbers():
     assert rc == 2 and "does NOT fit" in out and "NO (" in out and "the compiler refused it" in out
 
 
+@pytest.mark.parametrize("topology", ["1xH100", "tpu7x-8"])
+def test_a_one_gpu_host_and_an_ironwood_slice_are_planned(topology):
+    """One device is a mesh of one (the trainer runs it meshless); TPU7x's devices are TensorCores,
+    two a chip, with the compiler's own limit per device."""
+    rc, out, err = _run("--config=configs/demo.py", f"--topology={topology}", "--json", "--nocost", *TINY)
+    assert rc == 0, err
+    records = _records(out)
+    assert records[-1]["fits"] and [r["program"] for r in records[:-1]][:2] == ["train_step", "logprobs"]
+    assert records[-1]["chips"] == (1 if topology == "1xH100" else 8)
+
+
 def test_gpu_target_compiles_and_the_planner_checks_its_memory():
     rc, out, err = _run("--config=configs/demo.py", "--topology=8xH100", "--json", *TINY)
     assert rc == 0, err
@@ -319,9 +330,10 @@ def test_the_warm_start_step_is_planned_when_configured():
     cfg = run_config.random_model_config(c, 1024)
     devices = targets.devices(targets.get_target("v5e-8"))
     names = lambda c: [p.name for p in programs.run_programs(c, cfg, devices, (1, 8, 1))[1]]
-    assert names(c) == ["train_step", "logprobs", "prefill", "decode"]
+    sampler = ["prefill", "decode", "decode@fill"]
+    assert names(c) == ["train_step", "logprobs", *sampler]
     c.warmstart.steps = 10
-    assert names(c) == ["train_step", "logprobs", "warmstart_step", "prefill", "decode"]
+    assert names(c) == ["train_step", "logprobs", "warmstart_step", *sampler]
 
 
 def test_every_target_takes_every_mesh_auto_tries():

@@ -31,6 +31,7 @@ from cope_jax import train_step as ts
 from cope_jax.logprobs import chunk_positions
 from cope_jax.methods import get_method, needing
 from cope_jax.sampler import Sampler
+import models
 from models import attention as attn
 from models import qwen
 from models import sharding as shd
@@ -93,7 +94,8 @@ def run_programs(c: ml_collections.ConfigDict, model_cfg: QwenConfig, devices, m
                  host_devices=None) -> tuple[Layout, list[Program]]:
     """`host_devices`: where one host's own programs compile (`targets.host_devices`); default
     host 0's devices of the slice."""
-    mesh = distributed.run_mesh(tuple(mesh_shape), devices)
+    # one device is a mesh too here (the trainer runs it meshless): it names the device compiled for
+    mesh = distributed.run_mesh(tuple(mesh_shape), devices) or models.make_mesh((1, 1, 1), devices=list(devices)[:1])
     hosts = len({d.process_index for d in devices})
     graphdef, state = ts.abstract_train_state(model_cfg, run_config.optimizer_config(c), mesh)
     params_bytes, opt_bytes = per_chip_bytes(state[0]), per_chip_bytes(state[1])

@@ -7,7 +7,8 @@ runtime library (`requirements-tpu.txt`), the GPU compiler through the CUDA PJRT
 environment the plugin lives in `<venv>/gpu-compiler` (`requirements-gpu-compiler.txt`), where JAX's
 plugin discovery does not load it into every program; `devices` loads it when a GPU target asks.
 
-Peak FLOP/s are dense bf16 per chip, bandwidths HBM bytes/s per chip, from the vendors' spec sheets.
+Peak FLOP/s (dense bf16), HBM bytes and bandwidth are per device (a chip; on TPU7x a TensorCore), from
+the vendors' public figures (sources beside the table).
 `usable_bytes` is what a program may use: on TPUs the compiler's own limit (what it reports when it
 refuses a program: `tests/test_plan.py` checks the table against it); on GPUs JAX's allocator takes `XLA_PYTHON_CLIENT_MEM_FRACTION` of the
 memory (0.75 by default), and the GPU compiler checks nothing, so the planner compares.
@@ -38,6 +39,7 @@ class Chip:
     # routing"; v6e aborts on a host's device ids), so a host's own programs (the sampler's) compile
     # for a one-host slice instead
     whole_slice_programs: bool = False
+    cores: int = 1  # devices the runtime makes per chip (TPU7x: one per TensorCore, 2 a chip)
 
 
 CHIPS = {
@@ -47,6 +49,14 @@ CHIPS = {
     "v5p": Chip("TPU v5p", 95 * GIB, 459e12, 2765e9, int(95.74 * GIB), tpu_name="v5p", tpu_config="megacore"),
     "v6e": Chip("TPU v6e", 32 * GIB, 918e12, 1640e9, int(31.25 * GIB), tpu_name="v6e", tpu_config="default",
                 whole_slice_programs=True),
+    # TPU7x (Ironwood), per device = one of a chip's two TensorCores: a chip has 192 GB HBM at
+    # 7.37 TB/s and 4,614 TFLOP/s FP8, half that in bf16 (Google Cloud, "TPU7x (Ironwood)",
+    # cloud.google.com/tpu/docs/tpu7x, and the Ironwood announcement, April 2025); the compiler's
+    # limit is its refusal's "available HBM" (94.75 GiB per device)
+    "tpu7x": Chip("TPU7x core", 96 * GIB, 2307e12 / 2, 7370e9 / 2, int(94.75 * GIB), tpu_name="tpu7x",
+                  tpu_config="default", cores=2),
+    # NVIDIA data sheets (A100 80GB SXM: 312 TFLOP/s bf16 dense, 2,039 GB/s; H100 SXM: 989 dense (1,979
+    # with sparsity), 3.35 TB/s; H200 SXM: 989 dense, 4.8 TB/s); memory as the CUDA driver reports it
     "A100": Chip("A100-SXM4-80GB", 85100068864, 312e12, 2039e9, gpu_spec="a100_sxm_80gb.txtpb"),
     "H100": Chip("H100-SXM5-80GB", 84978434048, 989e12, 3352e9, gpu_spec="h100_sxm_80gb.txtpb"),
     "H200": Chip("H200-SXM-141GB", 150754820096, 989e12, 4800e9, gpu_spec="h200_sxm_141gb.txtpb"),
@@ -55,9 +65,12 @@ CHIPS = {
 
 @dataclasses.dataclass(frozen=True)
 class Target:
+    """A slice or GPU host. `chips` and `chips_per_host` count devices (what a mesh is made of and the
+    report calls a chip): on TPU7x two per physical chip."""
+
     name: str
     chip: Chip
-    shape: tuple[int, ...]  # TPU: chips along the torus axes; GPU: (hosts, GPUs per host)
+    shape: tuple[int, ...]  # TPU: physical chips along the torus axes; GPU: (hosts, GPUs per host)
     chips_per_host: int
 
     @property
@@ -66,7 +79,7 @@ class Target:
 
     @property
     def chips(self) -> int:
-        n = 1
+        n = self.chip.cores
         for s in self.shape:
             n *= s
         return n
@@ -90,8 +103,10 @@ class Target:
 
 
 def _tpu(chip: str, chips: int, shape: tuple[int, ...], per_host: int = 4) -> Target:
-    name = f"{chip}-{chips * 2 if chip in ('v4', 'v5p') else chips}"  # v4 / v5p names count cores
-    return Target(name, CHIPS[chip], shape, per_host)
+    """A slice of `chips` physical chips, `per_host` of them a host."""
+    cores = CHIPS[chip].cores
+    name = f"{chip}-{chips * 2 if chip in ('v4', 'v5p', 'tpu7x') else chips}"  # v4 / v5p / tpu7x names count cores
+    return Target(name, CHIPS[chip], shape, per_host * cores)
 
 
 TARGETS: dict[str, Target] = {t.name: t for t in [
@@ -101,9 +116,9 @@ TARGETS: dict[str, Target] = {t.name: t for t in [
                                      (64, (4, 4, 4)), (128, (4, 4, 8))]],
     *[_tpu(c, n, s, per_host=8 if n == 8 else 4) for c in ("v5e", "v6e")
       for n, s in [(8, (2, 4)), (16, (4, 4)), (32, (4, 8)), (64, (8, 8)), (128, (8, 16)), (256, (16, 16))]],
-    Target("8xA100", CHIPS["A100"], (1, 8), 8),
-    Target("8xH100", CHIPS["H100"], (1, 8), 8),
-    Target("8xH200", CHIPS["H200"], (1, 8), 8),
+    *[_tpu("tpu7x", n, s) for n, s in [(4, (2, 2, 1)), (8, (2, 2, 2)), (16, (2, 2, 4)), (32, (2, 4, 4)),
+                                       (64, (4, 4, 4)), (128, (4, 4, 8))]],
+    *[Target(f"{n}x{gpu}", CHIPS[gpu], (1, n), n) for gpu in ("A100", "H100", "H200") for n in (1, 8)],
     Target("2x8xH100", CHIPS["H100"], (2, 8), 8),
 ]}
 
@@ -168,8 +183,8 @@ def host_devices(target: Target) -> list | None:
 
 
 def _host_bounds(target: Target) -> tuple[int, int, int]:
-    """The chips of one host along the torus axes: 2x2 (4 chips) or 2x4 (a single 8-chip host)."""
-    return (2, 4, 1) if target.chips_per_host == 8 else (2, 2, 1)
+    """The physical chips of one host along the torus axes: 2x2 (4 chips) or 2x4 (a single 8-chip host)."""
+    return (2, 4, 1) if target.chips_per_host // target.chip.cores == 8 else (2, 2, 1)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,80 @@
+"""python -m launch.accept: this machine's accelerator (or CPU) measured beside what the compiler predicts.
+
+One command for a borrowed accelerator: it detects the backend, runs each section at the sizes the
+backend takes (`--size=auto`: full on TPU / GPU, tiny on CPU, where it is part of the test suite so
+it never rots) and writes `<out>/accept.jsonl` (one line per check) and `<out>/accept.md` (the table:
+measured, predicted, ratio). It exits 0 even when a check falls short: the table says which.
+
+Sections (`--sections`):
+- attention (`launch/accept_attention.py`): every implementation the backend runs, on packed rows
+  with segments and a forecasting tree: outputs and gradients against the reference, forward and
+  forward+backward seconds against the compiler's roofline for this device, peak memory against the
+  compiler's.
+- train (`launch/accept_train.py`): one micro-batch of the RL train step on this machine's devices:
+  step time, peak memory and model FLOPs utilization beside the planner's prediction of the same
+  program on the same devices.
+
+A prediction comes from the compiler of the program that runs (its cost and memory analyses) and
+the device's public peak FLOP/s and HBM bandwidth (`cope_jax/plan/targets.py`); where the device
+is not in that table (CPU) the time has no prediction and says so. A measurement comes only from
+running: a program this backend cannot run is not in the table.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from absl import flags
+
+from launch import cli
+from launch.accept_report import Check, table
+
+SECTIONS = ("attention", "train")
+flags.DEFINE_list("sections", list(SECTIONS), f"Sections to run, from {SECTIONS}.")
+flags.DEFINE_enum("size", "auto", ["auto", "tiny", "full"], "Shapes: full (accelerators), tiny (CPU, "
+                  "minutes), auto: full on TPU / GPU, tiny on CPU.")
+flags.DEFINE_string("out", "runs/accept", "Directory for accept.jsonl and accept.md.")
+flags.DEFINE_integer("repeats", 3, "Timed calls after a warm-up one; the best is reported.")
+FLAGS = flags.FLAGS
+
+
+def device_summary() -> dict:
+    import jax
+
+    from launch import accept_device
+
+    d = jax.devices()[0]
+    chip = accept_device.chip()
+    return dict(backend=jax.default_backend(), device_kind=d.device_kind, devices=jax.device_count(),
+                chip=None if chip is None else chip.kind)
+
+
+def main(argv):
+    del argv
+    import jax
+
+    unknown = sorted(set(FLAGS.sections) - set(SECTIONS))
+    if unknown:
+        raise ValueError(f"--sections: unknown {', '.join(unknown)}; expected some of {', '.join(SECTIONS)}")
+    size = FLAGS.size if FLAGS.size != "auto" else ("tiny" if jax.default_backend() == "cpu" else "full")
+    os.makedirs(FLAGS.out, exist_ok=True)
+    from launch import accept_attention, accept_train
+
+    runners = {"attention": accept_attention.run, "train": accept_train.run}
+    checks: list[Check] = []
+    summary = dict(device_summary(), size=size)
+    for section in FLAGS.sections:
+        checks += runners[section](size=size, repeats=FLAGS.repeats)
+    with open(os.path.join(FLAGS.out, "accept.jsonl"), "w") as f:
+        f.write(json.dumps(dict(summary=True, **summary)) + "\n")
+        for c in checks:
+            f.write(json.dumps(c.record()) + "\n")
+    header = (f"# launch.accept: {summary['device_kind']} x {summary['devices']} ({summary['backend']}), "
+              f"size {size}")
+    with open(os.path.join(FLAGS.out, "accept.md"), "w") as f:
+        f.write(table(checks, header))
+    print(table(checks, header))
+
+
+if __name__ == "__main__":
+    cli.run(main)

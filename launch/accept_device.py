@@ -1,0 +1,60 @@
+"""The local device for `launch.accept`: its public figures, what the compiler predicts a program
+costs on it, and what running the program measures (best-of-N seconds, peak memory)."""
+from __future__ import annotations
+
+import time
+
+# the runtime's device_kind -> the planner's chip (cope_jax/plan/targets.py: CHIPS)
+KINDS = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5p": "v5p", "TPU v5": "v5p",
+         "TPU v6 lite": "v6e", "TPU v6e": "v6e", "TPU7x": "tpu7x"}
+GPUS = ("H200", "H100", "A100")  # a CUDA device_kind names its GPU: "NVIDIA H100 80GB HBM3"
+
+
+def chip():
+    """The planner's Chip of this machine's device, or None (CPU, or a device not in the table)."""
+    import jax
+
+    from cope_jax.plan import targets
+
+    kind = jax.devices()[0].device_kind
+    if kind in KINDS:
+        return targets.CHIPS[KINDS[kind]]
+    return next((targets.CHIPS[g] for g in GPUS if g in kind), None)
+
+
+def roofline_s(compiled) -> float | None:
+    """max(FLOPs / peak, HBM bytes / bandwidth) of a compiled program on this device, from the
+    compiler's cost analysis (None where the device or the cost is unknown)."""
+    c = chip()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) and cost else cost
+    if c is None or not cost or "flops" not in cost:
+        return None
+    return max(float(cost["flops"]) / c.peak_flops, float(cost.get("bytes accessed", 0.0)) / c.hbm_bandwidth)
+
+
+def compiled_peak_bytes(compiled) -> int:
+    """What the compiler lays out for one call: arguments, new outputs and temporaries."""
+    m = compiled.memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+
+
+def best_seconds(fn, args, repeats: int) -> float:
+    """Best wall time of `fn(*args)` over `repeats` calls after a warm-up one."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(max(1, repeats)):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def peak_bytes_in_use() -> int | None:
+    """The device allocator's peak so far (TPU / GPU); None where the client keeps no statistics (CPU)."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats()
+    return None if not stats else int(stats.get("peak_bytes_in_use", 0)) or None

@@ -1,0 +1,168 @@
+"""`launch.accept`'s train section: one micro-batch of the RL train step on this machine's devices,
+measured beside the planner's prediction of the same program on the same devices, in the same run.
+
+The program is the planner's own (`cope_jax/plan/programs.py: run_programs` on `jax.devices()`): its
+compiled layout (new outputs + temporaries) is the predicted peak, its cost analysis on this device's
+public figures the predicted time; the measured peak is the device allocator's (TPU / GPU) or, on
+CPU, the process's resident memory sampled every millisecond during the step, over its level before.
+Model FLOPs utilization: the planner's analytical FLOPs over the measured time and the peak.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+from launch import accept_device
+from launch.accept_report import Check
+
+# size -> (config, overrides, model preset or None: the config's own random model)
+SIZES = {"tiny": ("configs/demo.py", dict(rollout=dict(sampler_rows=8, max_len=256, max_turn_tokens=16),
+                                          train=dict(row_len=256, rows_per_micro=2, logprob_chunk=256)), None),
+         "full": ("configs/sciworld.py", dict(train=dict(rows_per_micro=1)), "Qwen2.5-7B-Instruct")}
+MEMORY_WITHIN, TIME_WITHIN = 1.25, 2.0
+
+
+def run(*, size: str, repeats: int) -> list[Check]:
+    import jax
+
+    c, cfg = _config(size)
+    program = _program(c, cfg)
+    compiled = program.lower().compile()
+    state, batch, coefs = _inputs(c, cfg, compiled)
+    predicted_peak = accept_device.compiled_peak_bytes(compiled) - program.param_bytes - program.optimizer_bytes
+    step = lambda s: compiled(s, batch, coefs)  # noqa: E731 (the step donates its state: thread it)
+    state, _ = step(state)  # warm-up
+    jax.block_until_ready(state)
+    peak, state = _peak_during(step, state)
+    best = float("inf")
+    for _ in range(max(1, repeats)):
+        t = time.perf_counter()
+        state, metrics = step(state)
+        jax.block_until_ready(metrics)
+        best = min(best, time.perf_counter() - t)
+    predicted = accept_device.roofline_s(compiled)
+    chip = accept_device.chip()
+    shape = f"{program.shape}, {cfg.num_layers} layers"
+    checks = [
+        Check("train", f"train_step ({shape}) seconds", "s", best, predicted,
+              within=None if predicted is None else TIME_WITHIN,
+              note="" if predicted is not None else "no roofline: this device has no public figures"),
+        Check("train", f"train_step ({shape}) peak memory over its inputs", "B", peak, predicted_peak,
+              within=MEMORY_WITHIN, note=_memory_note()),
+    ]
+    if chip is not None:
+        mfu = program.analytic_flops / best / chip.peak_flops
+        checks.append(Check("train", f"train_step ({shape}) model FLOPs utilization", "", mfu,
+                            note="analytical FLOPs per chip / time / peak"))
+    return checks
+
+
+def _config(size: str):
+    """(run config, model config) of the measured train step."""
+    from ml_collections import config_flags  # noqa: F401 (the config files import ml_collections)
+
+    from cope_jax import run_config
+    from models import presets
+
+    path, overrides, preset = SIZES[size]
+    c = _load(path)
+    for group, values in overrides.items():
+        c[group].update(values)
+    c.warmstart.steps = 0
+    cfg = presets.preset_config(preset, **run_config.execution(c)) if preset else run_config.random_model_config(c, 1024)
+    return c, cfg
+
+
+def _load(path: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("accept_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config("cope")
+
+
+def _program(c, cfg):
+    """The planner's train_step Program on this machine's devices (a (1, devices, 1) mesh)."""
+    import jax
+
+    from cope_jax.plan import programs
+
+    devices = jax.devices()
+    _, progs = programs.run_programs(c, cfg, devices, (1, len(devices), 1))
+    return next(p for p in progs if p.name == "train_step")
+
+
+def _inputs(c, cfg, compiled):
+    """Real (state, batch, coefficients) laid out as the compiled step takes them."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from cope_jax import distributed, run_config
+    from cope_jax import train_step as ts
+    from models import qwen
+
+    (state_info, batch_info, coef_info), _ = compiled.args_info
+    (state_sharding, batch_sharding, coef_sharding), _ = compiled.input_shardings
+    mesh = distributed.run_mesh((1, jax.device_count(), 1), jax.devices())
+    model = qwen.create_model(cfg, mesh=mesh)
+    optimizer = nnx.Optimizer(model, ts.make_optimizer(run_config.optimizer_config(c)), wrt=nnx.Param)
+    state = jax.device_put(nnx.split((model, optimizer))[1], state_sharding)
+    batch = jax.tree.map(_batch_leaf, batch_info, batch_sharding)
+    coefs = jax.tree.map(lambda i, s: jax.device_put(jnp.ones(i.shape, i.dtype), s), coef_info, coef_sharding)
+    return state, batch, coefs
+
+
+def _batch_leaf(info, sharding):
+    """A real array for one batch field: one segment per row, positions 0.., masks on, ids small."""
+    import jax
+    import numpy as np
+
+    shape, dtype = info.shape, np.dtype(info.dtype)
+    if dtype == np.bool_:
+        value = np.ones(shape, bool)
+    elif np.issubdtype(dtype, np.integer):
+        value = np.broadcast_to(np.arange(shape[-1]) % 97, shape).astype(dtype)  # tokens / positions / indices
+    else:
+        value = np.full(shape, -1.0, dtype)  # log-probs, advantages, weights
+    return jax.device_put(value, sharding)
+
+
+def _peak_during(step, state):
+    """(peak bytes of one call over the level before it, the new state): the device allocator's peak,
+    or the process's resident memory sampled every millisecond (CPU)."""
+    import jax
+
+    before = accept_device.peak_bytes_in_use()
+    if before is not None:
+        base = jax.devices()[0].memory_stats()["bytes_in_use"]
+        state, metrics = step(state)
+        jax.block_until_ready(metrics)
+        return max(0, accept_device.peak_bytes_in_use() - base), state
+    base, high, done = _rss(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            high[0] = max(high[0], _rss())
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    state, metrics = step(state)
+    jax.block_until_ready(metrics)
+    done.set()
+    sampler.join()
+    return max(0, high[0] - base), state
+
+
+def _rss() -> int:
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _memory_note() -> str:
+    return ("the allocator's peak over its level before the call" if accept_device.peak_bytes_in_use() is not None
+            else "the process's resident memory over its level before the call (CPU: no allocator statistics)")

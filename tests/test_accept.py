@@ -1,0 +1,50 @@
+"""`launch.accept` on this CPU host at its tiny sizes: it completes, and its report has every section
+with measured and predicted columns."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _accept(tmp_path, *flags):
+    return subprocess.run([sys.executable, "-m", "launch.accept", f"--out={tmp_path}", "--repeats=1", *flags],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+
+
+def test_the_cpu_run_reports_every_section_measured_beside_predicted(tmp_path):
+    proc = _accept(tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [json.loads(x) for x in open(tmp_path / "accept.jsonl")]
+    summary, checks = lines[0], lines[1:]
+    assert summary["backend"] == "cpu" and summary["size"] == "tiny" and summary["chip"] is None
+    from launch.accept import SECTIONS
+    assert {c["section"] for c in checks} == set(SECTIONS)
+    # attention: both implementations timed at both lengths, blockwise checked against dense
+    timed = {(c["name"].split()[0], c["name"].split()[1]) for c in checks
+             if c["section"] == "attention" and c["unit"] == "s"}
+    assert timed == {(impl, T) for impl in ("dense", "blockwise") for T in ("512", "1024")}
+    assert all(c["measured"] > 0 for c in checks if c["unit"] == "s")
+    errors = [c for c in checks if "error vs dense" in c["name"]]
+    assert len(errors) == 2 and all(0 < c["measured"] < c["predicted"] and c["met"] for c in errors)
+    # the compiler's layout of the call is the prediction; blockwise's is the smaller at 1,024 tokens
+    peaks = {c["name"].split()[0]: c["predicted"] for c in checks
+             if c["section"] == "attention" and c["unit"] == "B" and " 1024 " in c["name"]}
+    assert 0 < peaks["blockwise"] < peaks["dense"]
+    # train: the step's resident-memory peak beside the compiler's layout of the same program
+    (memory,) = [c for c in checks if c["section"] == "train" and c["unit"] == "B"]
+    assert memory["measured"] > 0 and memory["predicted"] > 0 and 0.5 < memory["ratio"] < 2, memory
+    (seconds,) = [c for c in checks if c["section"] == "train" and c["unit"] == "s"]
+    assert seconds["measured"] > 0 and seconds["predicted"] is None  # CPU: no public peak figures
+    table = open(tmp_path / "accept.md").read()
+    assert "| section | check | measured | predicted | ratio | met | note |" in table
+    assert table.count("\n| attention |") + table.count("\n| train |") == len(checks)
+    assert f"| {memory['ratio']:.3g} |" in table
+
+
+def test_an_unknown_section_is_one_line_before_anything_is_written(tmp_path):
+    proc = _accept(tmp_path / "out", "--sections=attention,sampling")
+    assert proc.returncode == 1 and not (tmp_path / "out").exists()
+    assert proc.stderr.strip().splitlines() == ["accept: error: --sections: unknown sampling; expected some of "
+                                                "attention, train"]
