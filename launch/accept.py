@@ -10,6 +10,8 @@ Sections (`--sections`):
   with segments and a forecasting tree: outputs and gradients against the reference, forward and
   forward+backward seconds against the compiler's roofline for this device, peak memory against the
   compiler's.
+- sampler (`launch/accept_sampler.py`): decode steps at batch 1, 8 and 64 and prefill of a random bf16
+  model against the bytes / FLOPs they must move over the bandwidth / FLOP/s measured in the run.
 - train (`launch/accept_train.py`): one micro-batch of the RL train step on this machine's devices:
   step time, peak memory and model FLOPs utilization beside the planner's prediction of the same
   program on the same devices.
@@ -29,7 +31,7 @@ from absl import flags
 from launch import cli
 from launch.accept_report import Check, table
 
-SECTIONS = ("attention", "train")
+SECTIONS = ("attention", "sampler", "train")
 flags.DEFINE_list("sections", list(SECTIONS), f"Sections to run, from {SECTIONS}.")
 flags.DEFINE_enum("size", "auto", ["auto", "tiny", "full"], "Shapes: full (accelerators), tiny (CPU, "
                   "minutes), auto: full on TPU / GPU, tiny on CPU.")
@@ -58,9 +60,9 @@ def main(argv):
         raise ValueError(f"--sections: unknown {', '.join(unknown)}; expected some of {', '.join(SECTIONS)}")
     size = FLAGS.size if FLAGS.size != "auto" else ("tiny" if jax.default_backend() == "cpu" else "full")
     os.makedirs(FLAGS.out, exist_ok=True)
-    from launch import accept_attention, accept_train
+    from launch import accept_attention, accept_sampler, accept_train
 
-    runners = {"attention": accept_attention.run, "train": accept_train.run}
+    runners = {"attention": accept_attention.run, "sampler": accept_sampler.run, "train": accept_train.run}
     checks: list[Check] = []
     summary = dict(device_summary(), size=size)
     for section in FLAGS.sections:

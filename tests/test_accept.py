@@ -32,6 +32,13 @@ def test_the_cpu_run_reports_every_section_measured_beside_predicted(tmp_path):
     peaks = {c["name"].split()[0]: c["predicted"] for c in checks
              if c["section"] == "attention" and c["unit"] == "B" and " 1024 " in c["name"]}
     assert 0 < peaks["blockwise"] < peaks["dense"]
+    # sampler: the bounds measured in the run, a decode step and a prefill per batch against them
+    sampler = [c for c in checks if c["section"] == "sampler"]
+    assert all(c["measured"] > 0 for c in sampler[:2]) and sampler[0]["unit"] == "B/s"
+    for batch in (1, 8):
+        steps = [c for c in sampler if f"batch {batch}," in c["name"]]
+        assert [c["name"].split()[0] for c in steps] == ["decode", "prefill"]
+        assert all(c["predicted"] > 0 and (c["measured"] is None or c["ratio"] > 0) for c in steps), steps
     # train: the step's resident-memory peak beside the compiler's layout of the same program
     (memory,) = [c for c in checks if c["section"] == "train" and c["unit"] == "B"]
     assert memory["measured"] > 0 and memory["predicted"] > 0 and 0.5 < memory["ratio"] < 2, memory
@@ -39,7 +46,7 @@ def test_the_cpu_run_reports_every_section_measured_beside_predicted(tmp_path):
     assert seconds["measured"] > 0 and seconds["predicted"] is None  # CPU: no public peak figures
     table = open(tmp_path / "accept.md").read()
     assert "| section | check | measured | predicted | ratio | met | note |" in table
-    assert table.count("\n| attention |") + table.count("\n| train |") == len(checks)
+    assert sum(table.count(f"\n| {section} |") for section in SECTIONS) == len(checks)
     assert f"| {memory['ratio']:.3g} |" in table
 
 
@@ -47,4 +54,4 @@ def test_an_unknown_section_is_one_line_before_anything_is_written(tmp_path):
     proc = _accept(tmp_path / "out", "--sections=attention,sampling")
     assert proc.returncode == 1 and not (tmp_path / "out").exists()
     assert proc.stderr.strip().splitlines() == ["accept: error: --sections: unknown sampling; expected some of "
-                                                "attention, train"]
+                                                "attention, sampler, train"]

@@ -157,7 +157,7 @@ def _trainer_programs(c, model_cfg, layout: Layout, graphdef, state, spec) -> li
                 _train_flops(model_cfg, T, platform) * rows * T / ways),
         Program("logprobs", lambda: logprobs.lower(params, batch), shape, rows * T, loops, layout.params_bytes, 0,
                 layout.optimizer_bytes + layout.reference_bytes + layout.replica_bytes,
-                _forward_flops(model_cfg, T, T, platform, packed=True, logits=True) * rows * T / ways),
+                forward_flops(model_cfg, T, T, platform, packed=True, logits=True) * rows * T / ways),
     ]
     if c.warmstart.steps > 0:
         ws_loss, _ = run_config.warmstart_configs(c)
@@ -204,7 +204,7 @@ def _sampler_programs(c, model_cfg, layout: Layout, replica) -> list[Program]:
 
     def decode(name: str, rows: int, filled: int, shape: str) -> Program:
         """The decode step with `rows` rows decoding, each at `filled` of the window's slots."""
-        flops = _forward_flops(model_cfg, 1, filled, platform, packed=False, logits=True) * rows / ways
+        flops = forward_flops(model_cfg, 1, filled, platform, packed=False, logits=True) * rows / ways
         return Program(name, lower("decode", rows), shape, rows,
                        {"layers": Loop(model_cfg.num_layers, whole=True), "cache": _cache_trips(model_cfg, filled)},
                        param_bytes, 0, resident, flops, must_bytes=param_bytes + cache_bytes * rows * filled / (B * W))
@@ -215,7 +215,7 @@ def _sampler_programs(c, model_cfg, layout: Layout, replica) -> list[Program]:
         prefill_loops["cache"] = _cache_trips(model_cfg, W, model_cfg.num_layers if model_cfg.scan_layers else 1)
     return [
         Program("prefill", lower("prefill"), f"{B} x {chunk} into {W}", B * chunk, prefill_loops, param_bytes, 0,
-                resident, _forward_flops(model_cfg, chunk, W, platform, packed=False, logits=False) * B * chunk / ways,
+                resident, forward_flops(model_cfg, chunk, W, platform, packed=False, logits=False) * B * chunk / ways,
                 must_bytes=param_bytes + cache_bytes),  # the cache before the chunk read, the chunk written
         decode("decode", B, W, f"{B} rows, window {W}"),
         # what a rollout mostly runs: rows half way through their window, a quarter of them idle
@@ -240,7 +240,7 @@ def _attention_flops(cfg: QwenConfig, keys: float) -> float:
     return 4 * cfg.num_layers * keys * cfg.num_heads * cfg.head_dim
 
 
-def _forward_flops(cfg: QwenConfig, T: int, S: int, platform: str, *, packed: bool, logits: bool) -> float:
+def forward_flops(cfg: QwenConfig, T: int, S: int, platform: str, *, packed: bool, logits: bool) -> float:
     """One token's forward, one of T queries over S keys, with or without the head."""
     head = 2 * cfg.hidden_size * cfg.vocab_size if logits else 0
     return 2 * layer_matmul_params(cfg) + _attention_flops(cfg, _keys_computed(cfg, T, S, packed, platform)) + head

@@ -1,0 +1,124 @@
+"""`launch.accept`'s sampler section: decode and prefill of a random bf16 model on one device (the
+full size: Qwen2.5-7B's shape), beside the bounds measured in the same run.
+
+- decode: seconds per step (greedy, every row decoding, rows half way through the window) against
+  the bytes a step must read (the weights + the filled KV cache) over the HBM bandwidth a large
+  on-device reduction reaches in this run; tokens/s in the note.
+- prefill: seconds to prefill every row's half window against its FLOPs (the planner's analytical
+  count) over the FLOP/s a large bf16 matmul reaches in this run.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from launch import accept_device
+from launch.accept_report import Check
+
+# size -> (model preset or the tiny shape, batches, window, decode steps, bound array bytes)
+SIZES = {"tiny": (dict(family="qwen2", vocab_size=512, hidden_size=128, intermediate_size=352, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1e6,
+                       tie_word_embeddings=True, qkv_bias=True, qk_norm=False), (1, 8), 512, 64, 1 << 26),
+         "full": ("Qwen2.5-7B-Instruct", (1, 8, 64), 4096, 64, 1 << 32)}
+WITHIN = 2.0  # a decode step within twice the bytes bound, a prefill within twice the FLOPs bound
+
+
+def run(*, size: str, repeats: int) -> list[Check]:
+    cfg = _model_config(size)
+    shape, batches, window, steps, bound_bytes = SIZES[size]
+    bandwidth, flops = _bandwidth(bound_bytes, repeats), _matmul_flops(size, repeats)
+    model = _model(cfg)
+    name = shape if isinstance(shape, str) else f"{cfg.num_layers}-layer {cfg.hidden_size}-wide"
+    checks = [Check("sampler", "HBM bandwidth bound (on-device reduction)", "B/s", bandwidth,
+                    note="measured in this run: the bounds below use it"),
+              Check("sampler", "FLOP/s bound (bf16 matmul)", "FLOP/s", flops, note="measured in this run")]
+    for batch in batches:
+        checks += _batch(model, cfg, name, batch, window, steps, bandwidth, flops, repeats)
+    return checks
+
+
+def _model_config(size: str):
+    from models import presets
+    from models.config import QwenConfig
+    from models.qwen import frozen_config
+
+    shape = SIZES[size][0]
+    cfg = presets.preset_config(shape) if isinstance(shape, str) else QwenConfig(**shape)
+    return frozen_config(cfg.replace(dtype="bfloat16", param_dtype="bfloat16", scan_layers=False))
+
+
+def _model(cfg):
+    from models import qwen
+
+    return qwen.create_model(cfg)
+
+
+def _batch(model, cfg, name, batch, window, steps, bandwidth, flops, repeats) -> list[Check]:
+    import jax
+
+    from flax import nnx
+
+    from cope_jax.plan import programs
+    from cope_jax.sampler import Sampler
+
+    half = window // 2
+    sampler = Sampler(model, batch_size=batch, max_len=window, eos_ids=[], unroll_layers=False)
+    prompts = np.random.RandomState(batch).randint(0, cfg.vocab_size, (batch, half))
+    state = sampler.init_state()
+
+    def prefill():
+        sampler.start(prompts, state=state, rows=range(batch))
+        jax.block_until_ready(state.cache.k)
+
+    def turn(n):
+        return lambda: sampler.generate(state, max_new_tokens=n, greedy=True)
+
+    prefill_s = _best(prefill, repeats)
+    one, many = _best(turn(1), repeats, setup=prefill), _best(turn(steps), repeats, setup=prefill)
+    step_s = (many - one) / (steps - 1) if many > one else None  # the turn's fixed costs cancel
+    weights = sum(a.nbytes for a in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    kv = 2 * cfg.num_layers * batch * (half + steps // 2) * cfg.num_kv_heads * cfg.head_dim * 2
+    prefill_flops = programs.forward_flops(cfg, half, half, jax.default_backend(), packed=True, logits=False)
+    label = f"{name}, batch {batch}, window {window}"
+    return [
+        Check("sampler", f"decode step ({label})", "s", step_s, (weights + kv) / bandwidth, within=WITHIN,
+              note=(f"{batch / step_s:,.0f} tokens/s" if step_s else "below the timing's resolution")
+              + f"; bound: {(weights + kv) / 1e9:.3g} GB weights + filled KV"),
+        Check("sampler", f"prefill of {batch} x {half} ({label})", "s", prefill_s,
+              prefill_flops * batch * half / flops, within=WITHIN,
+              note=f"{batch * half / prefill_s:,.0f} tokens/s; bound: analytical FLOPs over the measured FLOP/s"),
+    ]
+
+
+def _best(fn, repeats: int, setup=lambda: None) -> float:
+    """Best wall time of fn() over `repeats` calls after a first one (it compiles), each after an
+    untimed setup() (the rows prefilled afresh)."""
+    import time
+
+    best = float("inf")
+    for r in range(max(1, repeats) + 1):
+        setup()
+        t = time.perf_counter()
+        fn()
+        if r:
+            best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _bandwidth(nbytes: int, repeats: int) -> float:
+    """Bytes/s of a jitted sum over a bf16 array of `nbytes` (it reads each byte once)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    total = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+    return nbytes / accept_device.best_seconds(total, (x,), repeats)
+
+
+def _matmul_flops(size: str, repeats: int) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    n = 1024 if size == "tiny" else 8192
+    a = jnp.ones((n, n), jnp.bfloat16)
+    product = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+    return 2 * n ** 3 / accept_device.best_seconds(product, (a, a), repeats)
