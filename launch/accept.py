@@ -15,6 +15,8 @@ Sections (`--sections`):
 - train (`launch/accept_train.py`): one micro-batch of the RL train step on this machine's devices:
   step time, peak memory and model FLOPs utilization beside the planner's prediction of the same
   program on the same devices.
+- rl (`launch/accept_rl.py`): one RL step of the built-in demo through the trainer's entry point:
+  rollout and update seconds (no prediction: environments and host work included).
 
 A prediction comes from the compiler of the program that runs (its cost and memory analyses) and
 the device's public peak FLOP/s and HBM bandwidth (`cope_jax/plan/targets.py`); where the device
@@ -31,7 +33,9 @@ from absl import flags
 from launch import cli
 from launch.accept_report import Check, table
 
-SECTIONS = ("attention", "sampler", "train")
+# train first: on CPU its peak is the process's resident memory, which pages freed by an earlier
+# section would hide
+SECTIONS = ("train", "attention", "sampler", "rl")
 flags.DEFINE_list("sections", list(SECTIONS), f"Sections to run, from {SECTIONS}.")
 flags.DEFINE_enum("size", "auto", ["auto", "tiny", "full"], "Shapes: full (accelerators), tiny (CPU, "
                   "minutes), auto: full on TPU / GPU, tiny on CPU.")
@@ -60,12 +64,13 @@ def main(argv):
         raise ValueError(f"--sections: unknown {', '.join(unknown)}; expected some of {', '.join(SECTIONS)}")
     size = FLAGS.size if FLAGS.size != "auto" else ("tiny" if jax.default_backend() == "cpu" else "full")
     os.makedirs(FLAGS.out, exist_ok=True)
-    from launch import accept_attention, accept_sampler, accept_train
+    from launch import accept_attention, accept_rl, accept_sampler, accept_train
 
-    runners = {"attention": accept_attention.run, "sampler": accept_sampler.run, "train": accept_train.run}
+    runners = {"attention": accept_attention.run, "sampler": accept_sampler.run, "train": accept_train.run,
+               "rl": accept_rl.run}
     checks: list[Check] = []
     summary = dict(device_summary(), size=size)
-    for section in FLAGS.sections:
+    for section in (s for s in SECTIONS if s in FLAGS.sections):
         checks += runners[section](size=size, repeats=FLAGS.repeats)
     with open(os.path.join(FLAGS.out, "accept.jsonl"), "w") as f:
         f.write(json.dumps(dict(summary=True, **summary)) + "\n")

@@ -59,13 +59,11 @@ def run(*, size: str, repeats: int) -> list[Check]:
 
 def _config(size: str):
     """(run config, model config) of the measured train step."""
-    from ml_collections import config_flags  # noqa: F401 (the config files import ml_collections)
-
     from cope_jax import run_config
     from models import presets
 
     path, overrides, preset = SIZES[size]
-    c = _load(path)
+    c = load_config(path)
     for group, values in overrides.items():
         c[group].update(values)
     c.warmstart.steps = 0
@@ -73,7 +71,8 @@ def _config(size: str):
     return c, cfg
 
 
-def _load(path: str):
+def load_config(path: str):
+    """A config file's `cope` config (the method the accepted programs train)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("accept_config", path)
@@ -83,12 +82,13 @@ def _load(path: str):
 
 
 def _program(c, cfg):
-    """The planner's train_step Program on this machine's devices (a (1, devices, 1) mesh)."""
+    """The planner's train_step Program on this machine's devices (a (1, devices, 1) mesh); on CPU one
+    device: the process's memory is every CPU device's, the compiler's layout one device's."""
     import jax
 
     from cope_jax.plan import programs
 
-    devices = jax.devices()
+    devices = jax.devices()[:1] if jax.default_backend() == "cpu" else jax.devices()
     _, progs = programs.run_programs(c, cfg, devices, (1, len(devices), 1))
     return next(p for p in progs if p.name == "train_step")
 
@@ -105,7 +105,8 @@ def _inputs(c, cfg, compiled):
 
     (state_info, batch_info, coef_info), _ = compiled.args_info
     (state_sharding, batch_sharding, coef_sharding), _ = compiled.input_shardings
-    mesh = distributed.run_mesh((1, jax.device_count(), 1), jax.devices())
+    devices = list({d for s in jax.tree.leaves(state_sharding) for d in s.device_set})
+    mesh = distributed.run_mesh((1, len(devices), 1), sorted(devices, key=lambda d: d.id))
     model = qwen.create_model(cfg, mesh=mesh)
     optimizer = nnx.Optimizer(model, ts.make_optimizer(run_config.optimizer_config(c)), wrt=nnx.Param)
     state = jax.device_put(nnx.split((model, optimizer))[1], state_sharding)

@@ -44,6 +44,9 @@ def test_the_cpu_run_reports_every_section_measured_beside_predicted(tmp_path):
     assert memory["measured"] > 0 and memory["predicted"] > 0 and 0.5 < memory["ratio"] < 2, memory
     (seconds,) = [c for c in checks if c["section"] == "train" and c["unit"] == "s"]
     assert seconds["measured"] > 0 and seconds["predicted"] is None  # CPU: no public peak figures
+    # rl: one demo step through the trainer, its rollout and update timed
+    assert [c["name"] for c in checks if c["section"] == "rl"] == ["demo RL step: rollout", "demo RL step: update"]
+    assert all(c["measured"] > 0 for c in checks if c["section"] == "rl")
     table = open(tmp_path / "accept.md").read()
     assert "| section | check | measured | predicted | ratio | met | note |" in table
     assert sum(table.count(f"\n| {section} |") for section in SECTIONS) == len(checks)
@@ -54,4 +57,4 @@ def test_an_unknown_section_is_one_line_before_anything_is_written(tmp_path):
     proc = _accept(tmp_path / "out", "--sections=attention,sampling")
     assert proc.returncode == 1 and not (tmp_path / "out").exists()
     assert proc.stderr.strip().splitlines() == ["accept: error: --sections: unknown sampling; expected some of "
-                                                "attention, sampler, train"]
+                                                "train, attention, sampler, rl"]
