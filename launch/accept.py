@@ -18,6 +18,9 @@ Sections (`--sections`):
 - rl (`launch/accept_rl.py`): one RL step of the built-in demo through the trainer's entry point:
   rollout and update seconds (no prediction: environments and host work included).
 
+`--topology=T` adds the train step planned for a `launch.plan` target (section `plan`): predicted
+rows only, unless this machine is that chip (then the train section is its measurement).
+
 A prediction comes from the compiler of the program that runs (its cost and memory analyses) and
 the device's public peak FLOP/s and HBM bandwidth (`cope_jax/plan/targets.py`); where the device
 is not in that table (CPU) the time has no prediction and says so. A measurement comes only from
@@ -41,6 +44,8 @@ flags.DEFINE_enum("size", "auto", ["auto", "tiny", "full"], "Shapes: full (accel
                   "minutes), auto: full on TPU / GPU, tiny on CPU.")
 flags.DEFINE_string("out", "runs/accept", "Directory for accept.jsonl and accept.md.")
 flags.DEFINE_integer("repeats", 3, "Timed calls after a warm-up one; the best is reported.")
+flags.DEFINE_string("topology", None, "Also plan the train step for this launch.plan target (e.g. 1xH100, "
+                    "v5e-8): predicted rows, measured only where this machine is that chip.")
 FLAGS = flags.FLAGS
 
 
@@ -63,6 +68,10 @@ def main(argv):
     if unknown:
         raise ValueError(f"--sections: unknown {', '.join(unknown)}; expected some of {', '.join(SECTIONS)}")
     size = FLAGS.size if FLAGS.size != "auto" else ("tiny" if jax.default_backend() == "cpu" else "full")
+    if FLAGS.topology:
+        from cope_jax.plan import targets
+
+        targets.get_target(FLAGS.topology)  # an unknown one fails before anything runs
     os.makedirs(FLAGS.out, exist_ok=True)
     from launch import accept_attention, accept_rl, accept_sampler, accept_train
 
@@ -72,6 +81,8 @@ def main(argv):
     summary = dict(device_summary(), size=size)
     for section in (s for s in SECTIONS if s in FLAGS.sections):
         checks += runners[section](size=size, repeats=FLAGS.repeats)
+    if FLAGS.topology:
+        checks += accept_train.planned(size=size, topology=FLAGS.topology)
     with open(os.path.join(FLAGS.out, "accept.jsonl"), "w") as f:
         f.write(json.dumps(dict(summary=True, **summary)) + "\n")
         for c in checks:

@@ -57,6 +57,25 @@ def run(*, size: str, repeats: int) -> list[Check]:
     return checks
 
 
+def planned(*, size: str, topology: str) -> list[Check]:
+    """The same train step planned for `topology` (`launch.plan`'s numbers, rows split as the planner
+    chooses): predictions only, never measured here unless this machine is that chip."""
+    from cope_jax.plan import planner, targets
+
+    c, cfg = _config(size)
+    c.train.rows_per_micro = 0  # the planner's choice for the target's mesh
+    target = targets.get_target(topology)
+    plan = planner.plan(c, "accept", target, cfg, "accept", (1, target.chips, 1), only=("train_step",))
+    (r,) = plan.results
+    here = accept_device.chip()
+    note = (f"planned only: this machine has no {target.chip.kind}" if here != target.chip
+            else "planned for this machine's chip: the train section measures it")
+    name = f"train_step ({r.shape}, {cfg.num_layers} layers) on {target.name}"
+    return [Check("plan", f"{name} seconds", "s", None, r.est_s, note=note),
+            Check("plan", f"{name} memory per chip", "B", None, r.total,
+                  note=note + ("" if r.fits else "; does NOT fit"))]
+
+
 def _config(size: str):
     """(run config, model config) of the measured train step."""
     from cope_jax import run_config

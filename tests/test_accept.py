@@ -58,3 +58,20 @@ def test_an_unknown_section_is_one_line_before_anything_is_written(tmp_path):
     assert proc.returncode == 1 and not (tmp_path / "out").exists()
     assert proc.stderr.strip().splitlines() == ["accept: error: --sections: unknown sampling; expected some of "
                                                 "train, attention, sampler, rl"]
+
+
+def test_a_target_this_machine_lacks_is_planned_never_measured(tmp_path):
+    proc = _accept(tmp_path, "--sections=train", "--topology=1xH100")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    checks = [json.loads(x) for x in open(tmp_path / "accept.jsonl")][1:]
+    planned = [c for c in checks if c["section"] == "plan"]
+    assert [c["unit"] for c in planned] == ["s", "B"]
+    assert all(c["measured"] is None and c["predicted"] > 0 and "planned only" in c["note"] for c in planned)
+    assert all(c["measured"] is not None for c in checks if c["section"] == "train")
+
+
+def test_an_unknown_topology_is_one_line(tmp_path):
+    proc = _accept(tmp_path / "out", "--topology=v9-8")
+    assert proc.returncode == 1 and not (tmp_path / "out").exists()
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip().splitlines()[0]]
+    assert "unknown topology 'v9-8'" in proc.stderr
