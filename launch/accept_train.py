@@ -160,6 +160,7 @@ def _peak_during(step, state):
         state, metrics = step(state)
         jax.block_until_ready(metrics)
         return max(0, accept_device.peak_bytes_in_use() - base), state
+    _return_freed_memory()  # else the step reuses pages an earlier compile freed, and RSS does not show it
     base, high, done = _rss(), [0], threading.Event()
 
     def sample():
@@ -174,6 +175,17 @@ def _peak_during(step, state):
     done.set()
     sampler.join()
     return max(0, high[0] - base), state
+
+
+def _return_freed_memory() -> None:
+    """glibc's malloc_trim: freed heap pages back to the system (no-op where there is no glibc)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _rss() -> int:
