@@ -65,9 +65,9 @@ class RowLayout:
     cache twice."""
 
     def __init__(self, rows: np.ndarray, batch_size: int, buckets: Sequence[int], gather: bool):
-        self.compact = gather and bucket(len(rows), buckets) < batch_size
+        size = bucket(len(rows), buckets)
+        self.compact = gather and size < batch_size
         if self.compact:
-            size = bucket(len(rows), buckets)
             self.rows = np.full(size, batch_size, np.int32)
             self.rows[:len(rows)] = rows
             self.index = np.arange(len(rows))

@@ -13,7 +13,7 @@ import os
 
 from launch import accept_device
 from launch.accept_report import Check
-from launch.bench_attention import packed_ids
+from launch.bench_attention import implementations, packed_ids
 
 SIZES = {"tiny": dict(tokens=(512, 1024), heads=4, kv_heads=2, head_dim=64),
          "full": dict(tokens=(4096, 16384, 32768), heads=8, kv_heads=2, head_dim=128)}
@@ -21,12 +21,6 @@ BLOCK = 512
 ERROR = 0.05  # bf16 against bf16 dense: rounding differs per block, errors of ~1e-2 of the largest value
 TIME_WITHIN = 2.0  # a kernel within twice the roofline is doing its job at these sizes
 MEMORY_WITHIN = 1.25
-
-
-def implementations(backend: str) -> tuple[str, ...]:
-    """dense and blockwise everywhere; the platform's Pallas kernel on TPU and GPU (off them it would
-    run in interpret mode, which measures nothing)."""
-    return ("dense", "blockwise") + (("pallas",) if backend in ("tpu", "gpu") else ())
 
 
 def run(*, size: str, repeats: int) -> list[Check]:
@@ -92,7 +86,7 @@ def _run(impl: str, T: int, fwd, grad, repeats: int):
     after = accept_device.peak_bytes_in_use()
     checks = []
     for what, compiled in (("forward", f), ("forward+backward", g)):
-        seconds = accept_device.best_seconds(compiled, args, repeats)
+        seconds = accept_device.best_seconds(lambda: compiled(*args), repeats)
         predicted = accept_device.roofline_s(compiled)
         checks.append(Check("attention", f"{impl} {T} tokens {what}", "s", seconds, predicted,
                             within=None if predicted is None else TIME_WITHIN,

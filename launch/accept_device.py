@@ -39,16 +39,18 @@ def compiled_peak_bytes(compiled) -> int:
     return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
 
 
-def best_seconds(fn, args, repeats: int) -> float:
-    """Best wall time of `fn(*args)` over `repeats` calls after a warm-up one."""
+def best_seconds(call, repeats: int, setup=lambda: None) -> float:
+    """Best wall time of `call()` (its result waited for) over `repeats` calls after a first one
+    (it compiles), each after an untimed `setup()`."""
     import jax
 
-    jax.block_until_ready(fn(*args))
     best = float("inf")
-    for _ in range(max(1, repeats)):
+    for r in range(max(1, repeats) + 1):
+        setup()
         t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t)
+        jax.block_until_ready(call())
+        if r:
+            best = min(best, time.perf_counter() - t)
     return best
 
 

@@ -67,13 +67,13 @@ def _batch(model, cfg, name, batch, window, steps, bandwidth, flops, repeats) ->
 
     def prefill():
         sampler.start(prompts, state=state, rows=range(batch))
-        jax.block_until_ready(state.cache.k)
+        return state.cache.k
 
     def turn(n):
         return lambda: sampler.generate(state, max_new_tokens=n, greedy=True)
 
-    prefill_s = _best(prefill, repeats)
-    one, many = _best(turn(1), repeats, setup=prefill), _best(turn(steps), repeats, setup=prefill)
+    prefill_s = accept_device.best_seconds(prefill, repeats)
+    one, many = (accept_device.best_seconds(turn(n), repeats, setup=prefill) for n in (1, steps))
     step_s = (many - one) / (steps - 1) if many > one else None  # the turn's fixed costs cancel
     weights = sum(a.nbytes for a in jax.tree.leaves(nnx.state(model, nnx.Param)))
     kv = 2 * cfg.num_layers * batch * (half + steps // 2) * cfg.num_kv_heads * cfg.head_dim * 2
@@ -89,21 +89,6 @@ def _batch(model, cfg, name, batch, window, steps, bandwidth, flops, repeats) ->
     ]
 
 
-def _best(fn, repeats: int, setup=lambda: None) -> float:
-    """Best wall time of fn() over `repeats` calls after a first one (it compiles), each after an
-    untimed setup() (the rows prefilled afresh)."""
-    import time
-
-    best = float("inf")
-    for r in range(max(1, repeats) + 1):
-        setup()
-        t = time.perf_counter()
-        fn()
-        if r:
-            best = min(best, time.perf_counter() - t)
-    return best
-
-
 def _bandwidth(nbytes: int, repeats: int) -> float:
     """Bytes/s of a jitted sum over a bf16 array of `nbytes` (it reads each byte once)."""
     import jax
@@ -111,7 +96,7 @@ def _bandwidth(nbytes: int, repeats: int) -> float:
 
     x = jnp.ones((nbytes // 2,), jnp.bfloat16)
     total = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
-    return nbytes / accept_device.best_seconds(total, (x,), repeats)
+    return nbytes / accept_device.best_seconds(lambda: total(x), repeats)
 
 
 def _matmul_flops(size: str, repeats: int) -> float:
@@ -121,4 +106,4 @@ def _matmul_flops(size: str, repeats: int) -> float:
     n = 1024 if size == "tiny" else 8192
     a = jnp.ones((n, n), jnp.bfloat16)
     product = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
-    return 2 * n ** 3 / accept_device.best_seconds(product, (a, a), repeats)
+    return 2 * n ** 3 / accept_device.best_seconds(lambda: product(a, a), repeats)

@@ -8,7 +8,7 @@ sum of the outputs with respect to q, k and v.
 JSON lines, one per (tokens, implementation): the compiler's memory of the compiled program
 (`temp_gb`: its working set; `peak_gb`: arguments + outputs + temporaries) and, where that peak
 fits in --attention_max_run_gb, the best-of-N wall time; then one `ratio` line per length and
-implementation over dense (the Pallas kernel only on TPU) (memory, and time where both ran). FLOPs differ on purpose: blockwise never
+implementation over dense (the Pallas kernel only on TPU and GPU) (memory, and time where both ran). FLOPs differ on purpose: blockwise never
 computes the key blocks after a query block (about half of dense's at long rows).
 """
 from __future__ import annotations
@@ -33,9 +33,9 @@ FLAGS = flags.FLAGS
 GB = 1024 ** 3
 
 def implementations(backend: str) -> tuple[str, ...]:
-    """dense (the reference) and blockwise everywhere; the Pallas kernel where it compiles (TPU: off
-    TPU it would run in interpret mode, which measures nothing)."""
-    return ("dense", "blockwise") + (("pallas",) if backend == "tpu" else ())
+    """dense (the reference) and blockwise everywhere; the platform's Pallas kernel on TPU and GPU
+    (off them it would run in interpret mode, which measures nothing)."""
+    return ("dense", "blockwise") + (("pallas",) if backend in ("tpu", "gpu") else ())
 
 
 def _emit(**line):
