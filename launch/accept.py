@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 from absl import flags
 
@@ -79,8 +80,12 @@ def main(argv):
                "rl": accept_rl.run}
     checks: list[Check] = []
     summary = dict(device_summary(), size=size)
+    seconds = {}
     for section in (s for s in SECTIONS if s in FLAGS.sections):
+        start = time.perf_counter()
         checks += runners[section](size=size, repeats=FLAGS.repeats)
+        seconds[section] = round(time.perf_counter() - start, 1)
+    summary["seconds"] = seconds  # the 8-minute budget of a borrowed accelerator, per section
     if FLAGS.topology:
         checks += accept_train.planned(size=size, topology=FLAGS.topology)
     with open(os.path.join(FLAGS.out, "accept.jsonl"), "w") as f:
@@ -88,7 +93,8 @@ def main(argv):
         for c in checks:
             f.write(json.dumps(c.record()) + "\n")
     header = (f"# launch.accept: {summary['device_kind']} x {summary['devices']} ({summary['backend']}), "
-              f"size {size}")
+              f"size {size}, {sum(seconds.values()):.0f} s ("
+              + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items()) + ")")
     with open(os.path.join(FLAGS.out, "accept.md"), "w") as f:
         f.write(table(checks, header))
     print(table(checks, header))

@@ -9,8 +9,6 @@ the compiler's layout of the call (TPU / GPU; the CPU client keeps no statistics
 """
 from __future__ import annotations
 
-import os
-
 from launch import accept_device
 from launch.accept_report import Check
 from launch.bench_attention import implementations, packed_ids
@@ -30,43 +28,68 @@ def run(*, size: str, repeats: int) -> list[Check]:
     checks = []
     for T in shape["tokens"]:
         checks += _length(T, shape, implementations(jax.default_backend()), repeats)
+        if jax.default_backend() == "gpu":
+            checks += _cudnn(T, shape, repeats)
     return checks
 
 
 def _length(T: int, shape: dict, impls, repeats: int) -> list[Check]:
-    programs = {impl: _programs(impl, T, shape) for impl in impls}
+    ids = packed_ids(T)
+    programs = {impl: _programs(_ours(impl, ids), T, shape) for impl in impls}
     runnable = {impl: p for impl, p in programs.items() if accept_device.compiled_peak_bytes(p[1][0]) < _budget()}
     reference = "dense" if "dense" in runnable else "blockwise"
     checks = [Check("attention", f"{impl} {T} tokens", "", None, note="its compiled peak does not fit: not run")
               for impl in programs if impl not in runnable]
-    results = {impl: _run(impl, T, *p, repeats) for impl, p in runnable.items()}
-    ref_out, ref_grads = results[reference][0]
-    for impl, ((out, grads), timed) in results.items():
-        checks += timed
-        if impl == reference:
-            continue
-        err = max(_error(a, b) for a, b in zip((out, *grads), (ref_out, *ref_grads)))
-        checks.append(Check("attention", f"{impl} {T} tokens: output / gradient error vs {reference}", "",
-                            err, ERROR, within=1.0, note="the largest absolute error over the reference's largest absolute value"))
-    return checks
+    results = {impl: _run(f"{impl} {T} tokens", *p, repeats) for impl, p in runnable.items()}
+    for impl in results:
+        if impl != reference:
+            checks.append(_agreement(f"{impl} {T} tokens", results[impl][0], results[reference][0], reference))
+    return checks + [c for _, timed in results.values() for c in timed]
 
 
-def _programs(impl: str, T: int, shape: dict):
-    """((forward, its args), (value_and_grad, its args)), compiled."""
+def _cudnn(T: int, shape: dict, repeats: int) -> list[Check]:
+    """cuDNN's fused attention (`jax.nn.dot_product_attention`) as a reference where its mask can
+    express the row: one causal segment (segments it could take as sequence lengths, a forecasting
+    tree it cannot), beside the Pallas kernel on the same row."""
     import jax
-    import jax.numpy as jnp
+    import numpy as np
 
     from models import attention as attn
 
+    ids = attn.packed_ids(np.ones((1, T), np.int32), np.arange(T, dtype=np.int32)[None])
+
+    def cudnn(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+    name = f"{T} tokens, one causal segment"
+    theirs = _run(f"cudnn {name}", *_programs(cudnn, T, shape), repeats)
+    ours = _run(f"pallas {name}", *_programs(_ours("pallas", ids), T, shape), repeats)
+    return [_agreement(f"pallas {name}", ours[0], theirs[0], "cudnn"), *theirs[1], *ours[1]]
+
+
+def _ours(impl: str, ids):
+    from models import attention as attn
+
+    return lambda q, k, v: attn.attention(q, k, v, ids, implementation=impl, block=BLOCK)
+
+
+def _agreement(name: str, result, reference, reference_name: str) -> Check:
+    (out, grads), (ref_out, ref_grads) = result, reference
+    err = max(_error(a, b) for a, b in zip((out, *grads), (ref_out, *ref_grads)))
+    return Check("attention", f"{name}: output / gradient error vs {reference_name}", "", err, ERROR, within=1.0,
+                 note="the largest absolute error over the reference's largest absolute value")
+
+
+def _programs(forward, T: int, shape: dict):
+    """((forward, its args), (value_and_grad, its args)), compiled, on random bf16 q, k, v of one row."""
+    import jax
+    import jax.numpy as jnp
+
     H, K, D = shape["heads"], shape["kv_heads"], shape["head_dim"]
-    ids = packed_ids(T)
     keys = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(keys[0], (1, T, H, D), jnp.bfloat16)
     k, v = (jax.random.normal(kk, (1, T, K, D), jnp.bfloat16) for kk in keys[1:3])
     w = jax.random.normal(keys[3], (1, T, H, D), jnp.float32)
-
-    def forward(q, k, v):
-        return attn.attention(q, k, v, ids, implementation=impl, block=BLOCK)
 
     def loss(q, k, v):
         return jnp.sum(forward(q, k, v).astype(jnp.float32) * w)
@@ -77,8 +100,8 @@ def _programs(impl: str, T: int, shape: dict):
     return (fwd, args), (grad, args)
 
 
-def _run(impl: str, T: int, fwd, grad, repeats: int):
-    """((output, gradients), timing and memory checks)."""
+def _run(name: str, fwd, grad, repeats: int):
+    """((output, gradients), timing and memory checks named `name`)."""
     (f, args), (g, _) = fwd, grad
     before = accept_device.peak_bytes_in_use()
     out = f(*args)
@@ -88,11 +111,11 @@ def _run(impl: str, T: int, fwd, grad, repeats: int):
     for what, compiled in (("forward", f), ("forward+backward", g)):
         seconds = accept_device.best_seconds(lambda: compiled(*args), repeats)
         predicted = accept_device.roofline_s(compiled)
-        checks.append(Check("attention", f"{impl} {T} tokens {what}", "s", seconds, predicted,
+        checks.append(Check("attention", f"{name} {what}", "s", seconds, predicted,
                             within=None if predicted is None else TIME_WITHIN,
                             note="" if predicted is not None else "no roofline: this device has no public figures"))
     peak = None if before is None or after is None or after <= before else after - before
-    checks.append(Check("attention", f"{impl} {T} tokens forward+backward peak memory", "B", peak,
+    checks.append(Check("attention", f"{name} forward+backward peak memory", "B", peak,
                         accept_device.compiled_peak_bytes(g), within=None if peak is None else MEMORY_WITHIN,
                         note="" if peak is not None else "the client keeps no allocator statistics, or its peak "
                         "was reached earlier"))
@@ -108,9 +131,4 @@ def _error(a, b) -> float:
 
 def _budget() -> float:
     """Bytes a program may lay out: 75% of the device's memory (CPU: of the free host memory)."""
-    import jax
-
-    stats = jax.devices()[0].memory_stats()
-    if stats and stats.get("bytes_limit"):
-        return 0.75 * stats["bytes_limit"]
-    return 0.75 * os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return accept_device.memory_budget(0.75) or accept_device.host_budget(0.75)

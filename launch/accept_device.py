@@ -2,6 +2,7 @@
 costs on it, and what running the program measures (best-of-N seconds, peak memory)."""
 from __future__ import annotations
 
+import os
 import time
 
 # the runtime's device_kind -> the planner's chip (cope_jax/plan/targets.py: CHIPS)
@@ -60,3 +61,17 @@ def peak_bytes_in_use() -> int | None:
 
     stats = jax.devices()[0].memory_stats()
     return None if not stats else int(stats.get("peak_bytes_in_use", 0)) or None
+
+
+def memory_budget(fraction: float = 0.9) -> float | None:
+    """Bytes a program may lay out on this device: `fraction` of the allocator's limit; None where
+    the client keeps no statistics (CPU)."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats()
+    return fraction * stats["bytes_limit"] if stats and stats.get("bytes_limit") else None
+
+
+def host_budget(fraction: float = 0.75) -> float:
+    """`fraction` of this host's free memory (CPU programs)."""
+    return fraction * os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -15,19 +15,19 @@ import time
 from launch import accept_device
 from launch.accept_report import Check
 
-# size -> (config, overrides, model preset or None: the config's own random model)
+# size -> (config, overrides, model presets, largest first: the first whose step fits the device;
+# None: the config's own random model)
 SIZES = {"tiny": ("configs/demo.py", dict(rollout=dict(sampler_rows=8, max_len=256, max_turn_tokens=16),
-                                          train=dict(row_len=256, rows_per_micro=2, logprob_chunk=256)), None),
-         "full": ("configs/sciworld.py", dict(train=dict(rows_per_micro=1)), "Qwen2.5-7B-Instruct")}
+                                          train=dict(row_len=256, rows_per_micro=2, logprob_chunk=256)), (None,)),
+         "full": ("configs/sciworld.py", dict(train=dict(rows_per_micro=1)),
+                  ("Qwen2.5-7B-Instruct", "Qwen2.5-3B-Instruct", "Qwen2.5-1.5B-Instruct", "Qwen2.5-0.5B-Instruct"))}
 MEMORY_WITHIN, TIME_WITHIN = 1.25, 2.0
 
 
 def run(*, size: str, repeats: int) -> list[Check]:
     import jax
 
-    c, cfg = _config(size)
-    program = _program(c, cfg)
-    compiled = program.lower().compile()
+    c, cfg, program, compiled, fallback = _fitting(size)
     state, batch, coefs = _inputs(c, cfg, compiled)
     predicted_peak = accept_device.compiled_peak_bytes(compiled) - program.param_bytes - program.optimizer_bytes
     step = lambda s: compiled(s, batch, coefs)  # noqa: E731 (the step donates its state: thread it)
@@ -42,11 +42,11 @@ def run(*, size: str, repeats: int) -> list[Check]:
         best = min(best, time.perf_counter() - t)
     predicted = accept_device.roofline_s(compiled)
     chip = accept_device.chip()
-    shape = f"{program.shape}, {cfg.num_layers} layers"
+    shape = f"{program.shape}, {cfg.num_layers} layers of {cfg.hidden_size}"
+    time_note = "" if predicted is not None else "no roofline: this device has no public figures"
     checks = [
         Check("train", f"train_step ({shape}) seconds", "s", best, predicted,
-              within=None if predicted is None else TIME_WITHIN,
-              note="" if predicted is not None else "no roofline: this device has no public figures"),
+              within=None if predicted is None else TIME_WITHIN, note="; ".join(filter(None, (fallback, time_note)))),
         Check("train", f"train_step ({shape}) peak memory over its inputs", "B", peak, predicted_peak,
               within=MEMORY_WITHIN, note=_memory_note()),
     ]
@@ -62,7 +62,7 @@ def planned(*, size: str, topology: str) -> list[Check]:
     chooses): predictions only, never measured here unless this machine is that chip."""
     from cope_jax.plan import planner, targets
 
-    c, cfg = _config(size)
+    c, cfg = _config(size, SIZES[size][2][0])  # the paper config's own model
     c.train.rows_per_micro = 0  # the planner's choice for the target's mesh
     target = targets.get_target(topology)
     plan = planner.plan(c, "accept", target, cfg, "accept", (1, target.chips, 1), only=("train_step",))
@@ -76,12 +76,42 @@ def planned(*, size: str, topology: str) -> list[Check]:
                   note=note + ("" if r.fits else "; does NOT fit"))]
 
 
-def _config(size: str):
-    """(run config, model config) of the measured train step."""
+def _fitting(size: str):
+    """(run config, model config, Program, compiled step, a note naming the presets that did not fit):
+    the size's largest preset whose step fits this device (its last one regardless)."""
+    budget = accept_device.memory_budget()
+    *larger, smallest = SIZES[size][2]
+    skipped = []
+    for preset in larger:
+        c, cfg = _config(size, preset)
+        program = _program(c, cfg)
+        state = 2 * program.param_bytes + program.optimizer_bytes  # parameters, gradients, optimizer
+        if budget is not None and state > budget:
+            skipped.append(f"{preset}: its state alone is {state / 2**30:.1f} GiB")
+            continue
+        compiled = program.lower().compile()
+        peak = accept_device.compiled_peak_bytes(compiled)
+        if budget is None or peak <= budget:
+            return c, cfg, program, compiled, _fallback_note(skipped, budget)
+        skipped.append(f"{preset}: its step lays out {peak / 2**30:.1f} GiB")
+    c, cfg = _config(size, smallest)
+    program = _program(c, cfg)
+    return c, cfg, program, program.lower().compile(), _fallback_note(skipped, budget)
+
+
+def _fallback_note(skipped: list[str], budget) -> str:
+    if not skipped:
+        return ""
+    return f"{'; '.join(skipped)}, over the {budget / 2**30:.1f} GiB this device gives a program"
+
+
+def _config(size: str, preset: str | None):
+    """(run config, model config) of the measured train step: `preset`'s model (None: the config's
+    own random model)."""
     from cope_jax import run_config
     from models import presets
 
-    path, overrides, preset = SIZES[size]
+    path, overrides, _ = SIZES[size]
     c = load_config(path)
     for group, values in overrides.items():
         c[group].update(values)

@@ -75,3 +75,18 @@ def test_an_unknown_topology_is_one_line(tmp_path):
     assert proc.returncode == 1 and not (tmp_path / "out").exists()
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip().splitlines()[0]]
     assert "unknown topology 'v9-8'" in proc.stderr
+
+
+def test_the_train_section_falls_back_to_the_largest_preset_that_fits(monkeypatch):
+    from launch import accept_device, accept_train
+
+    path, overrides, _ = accept_train.SIZES["tiny"]
+    monkeypatch.setitem(accept_train.SIZES, "probe", (path, overrides, ("Qwen2.5-7B-Instruct", None)))
+    monkeypatch.setattr(accept_device, "memory_budget", lambda fraction=0.9: 2**30)  # a 1 GiB device
+    c, cfg, program, compiled, note = accept_train._fitting("probe")
+    assert cfg.hidden_size < 3584 and compiled is not None  # the config's own small model
+    assert note.startswith("Qwen2.5-7B-Instruct: its state alone is ") and "over the 1.0 GiB" in note
+    state_gib = float(note.split("its state alone is ")[1].split()[0])
+    assert 105 < state_gib < 120  # 7.6B float32 parameters, their gradients and AdamW's two moments
+    monkeypatch.setattr(accept_device, "memory_budget", lambda fraction=0.9: None)  # CPU: no limit
+    assert accept_train._fitting("tiny")[4] == ""
