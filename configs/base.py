@@ -34,7 +34,7 @@ def base_config(method: str = "cope") -> ml_collections.ConfigDict:
         num_heads=0, num_kv_heads=0, head_dim=0, tie_word_embeddings=True, rope_theta=1e6,
     ))
     c.tokenizer = "qwen2.5"  # 'qwen2.5' | 'qwen3' | an HF tokenizer dir | a SentencePiece .model | 'model'
-    c.chat_style = "qwen2.5"  # cope_jax/chat.py STYLES
+    c.chat_style = "qwen2.5"  # cope_jax/rollout/chat.py STYLES
     c.mesh = (1, -1, 1)  # (data, fsdp, tp) over every host's devices; -1 = all remaining devices
 
     c.env = ml_collections.ConfigDict(dict(
@@ -49,7 +49,7 @@ def base_config(method: str = "cope") -> ml_collections.ConfigDict:
         max_turn_tokens=512, temperature=1.0, top_p=1.0, top_k=0,
         max_len=16384,  # tokens per episode (Table 9 "maximum model length")
         # Tables 9-11's maximum prompt / response length (0: off); an episode past either ends as
-        # context_full, a failure (cope_jax/rollout.py)
+        # context_full, a failure (cope_jax/rollout/runner.py)
         max_prompt_len=0, max_response_len=0,
         # concurrent episodes in each host's sampler; 0: the host's share of a step's episodes
         # (tasks_per_step x group_size / hosts): more rows than that hold KV cache no step fills
@@ -72,7 +72,7 @@ def base_config(method: str = "cope") -> ml_collections.ConfigDict:
         kl_coef=1e-3, entropy_coef=1e-3, agg_mode="seq-mean-token-mean",
         af_coef=0.01, af_mode="joint", af_norm="success_groups", horizon=-1,  # -1: the method's K
         # skip_invalid: forecasting targets the environment rejected are refilled with the episode's
-        # next valid action (the paper's filter, section 8; cope_jax/forecasting.py)
+        # next valid action (the paper's filter, section 8; cope_jax/learning/forecasting.py)
         # af_group_norm: forecasting weight 1/max(1,|S_x|) (False: 1, the paper's ablation)
         echo_coef=0.01, rft_coef=1.0, skip_invalid=False, skip_no_call=False, af_group_norm=True,
         progpo_scale=0.3, logprob_chunk=2048,
@@ -87,7 +87,7 @@ def base_config(method: str = "cope") -> ml_collections.ConfigDict:
     # forecasting examples (SPEC 3 format, from the demonstrations) joining each step, 0 = off;
     # lr_schedule: 'constant' or 'cosine' (short warm-up, then decay to 5% over the steps); mistakes:
     # probability of a broken action (context only) before each expert action; dawdle: of the
-    # family's idle action (trained) before each expert action (cope_jax/demos.py)
+    # family's idle action (trained) before each expert action (cope_jax/run/demos.py)
     c.warmstart = ml_collections.ConfigDict(dict(steps=0, learning_rate=1e-4, batch_episodes=16, tasks=0,
                                                  af_examples=0, lr_schedule="constant", mistakes=0.0,
                                                  dawdle=0.0))

@@ -1,7 +1,7 @@
 """The embedded demo: a tiny Qwen3-shaped model learns the built-in environment on a CPU.
 
 Stage 1 warm-starts it on expert demonstrations (supervised, all 1000 train tasks, learning rate
-decayed by a cosine). The demonstrator is imperfect in two ways (`cope_jax/demos.py`): before 15%
+decayed by a cosine). The demonstrator is imperfect in two ways (`cope_jax/run/demos.py`): before 15%
 of its actions it plays a broken copy first (context only, so the policy learns to recover from the
 invalid-action message; without it a policy that never saw that message repeated failed actions:
 0.33 instead of 0.735 test success), and before half of its actions it idles with `look` (trained,

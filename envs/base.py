@@ -34,10 +34,10 @@ class EnvFamily(abc.ABC):
     invalid_action_message: str = "Nothing happens."
     # Action parsing options (see envs.parsing.parse_action).
     multiline_actions: bool = False
-    # How a reply states an action, for written demonstrations (cope_jax.demos): ReAct's line.
+    # How a reply states an action, for written demonstrations (cope_jax.run.demos): ReAct's line.
     reply_format: str = "Action: {action}"
     # An action that costs a round and changes nothing, for demonstrators that idle
-    # (cope_jax.demos, warmstart.dawdle); None: the family has none.
+    # (cope_jax.run.demos, warmstart.dawdle); None: the family has none.
     idle_action: str | None = None
     # How the rollout lays out the chat (optional protocol, defaults fit every ReAct family):
     # 'react': user instruction + fixed acknowledgement, then observations as user turns;

@@ -58,7 +58,7 @@ def _batch(model, cfg, name, batch, window, steps, bandwidth, flops, repeats) ->
     from flax import nnx
 
     from cope_jax.plan import programs
-    from cope_jax.sampler import Sampler
+    from cope_jax.rollout.sampler import Sampler
 
     half = window // 2
     sampler = Sampler(model, batch_size=batch, max_len=window, eos_ids=[], unroll_layers=False)

@@ -108,7 +108,7 @@ def _fallback_note(skipped: list[str], budget) -> str:
 def _config(size: str, preset: str | None):
     """(run config, model config) of the measured train step: `preset`'s model (None: the config's
     own random model)."""
-    from cope_jax import run_config
+    from cope_jax.run import run_config
     from models import presets
 
     path, overrides, _ = SIZES[size]
@@ -148,8 +148,8 @@ def _inputs(c, cfg, compiled):
     import jax.numpy as jnp
     from flax import nnx
 
-    from cope_jax import distributed, run_config
-    from cope_jax import train_step as ts
+    from cope_jax.run import distributed, run_config
+    from cope_jax.learning import train_step as ts
     from models import qwen
 
     (state_info, batch_info, coef_info), _ = compiled.args_info

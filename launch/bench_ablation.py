@@ -49,7 +49,7 @@ import ml_collections
 import numpy as np
 from absl import flags
 
-from cope_jax import metrics as metrics_lib
+from cope_jax.run import metrics as metrics_lib
 
 flags.DEFINE_string("ablation_dir", "runs/ablation", "Sweep directory (runs, results, report).")
 flags.DEFINE_list("ablation_arms", None, "Arms to run (default: all of ARMS); empty: only the warm start.")
@@ -151,7 +151,7 @@ def _settings(c) -> str:
 def _warmstart(root: str) -> str | None:
     """The shared warm start (a zero-step run of the reference arm), written once; None for a config
     without one (every arm starts from the config's own checkpoint, `model.path`)."""
-    from cope_jax.runs import train_run
+    from cope_jax.stages.runs import train_run
     from cope_jax.stages.warmstart import WARMSTART_DIR
 
     c = arm_config(ARMS_BY_NAME[REFERENCE], 0)
@@ -189,7 +189,7 @@ def fingerprint(warm: str | None) -> str:
 
 def _warm_tokenizer(warm: str) -> str:
     """Where the warm start's run keeps its own trained tokenizer (configs with `sentencepiece:N`)."""
-    from cope_jax.build import TOKENIZER_FILE
+    from cope_jax.run.build import TOKENIZER_FILE
 
     return os.path.join(os.path.dirname(warm), TOKENIZER_FILE)
 
@@ -216,7 +216,7 @@ def _run(arm: Arm, seed: int, root: str, warm: str | None, same_as: dict, starte
     `same_as`: settings -> the workdir of the run that computed them; `started`: start key -> the
     evaluation record at step 0 some run of this sweep logged (the others reuse it); `start`: the
     warm start's fingerprint, written into every result."""
-    from cope_jax.runs import train_run
+    from cope_jax.stages.runs import train_run
     from cope_jax.stages.warmstart import WARMSTART_DIR
 
     results = os.path.join(root, "results", f"{arm.name}_seed{seed}.jsonl")

@@ -134,7 +134,7 @@ def model_config(layers: int, dtype: str):
 def packed_batch(tokens: int, row_len: int, vocab: int, seed: int = 0):
     """[1 micro-batch, rows, row_len] of GRPO trajectories, two per row, with real loss weights
     (`batching.sequence_segments`) and old / reference log-probs near each other."""
-    from cope_jax import batching, methods
+    from cope_jax.learning import batching, methods
 
     rng = np.random.RandomState(seed)
     row_len = min(row_len, tokens)
@@ -164,7 +164,7 @@ def model_flops(cfg, tokens: int, row_len: int) -> tuple[float, float]:
 def bench_logits(cfg, batch, tokens: int, max_bytes: float):
     import jax
     import jax.numpy as jnp
-    from cope_jax import logprobs, losses
+    from cope_jax.learning import logprobs, losses
 
     mb = jax.tree.map(lambda a: jnp.asarray(a[0]), batch)
     R, L = mb.tokens.shape
@@ -202,7 +202,7 @@ def bench_step(cfg, batch, tokens: int, max_bytes: float, time_it: bool):
     from flax import nnx
 
     import models
-    from cope_jax import methods, train_step
+    from cope_jax.learning import methods, train_step
 
     R, L = batch.tokens.shape[1:]
     flops, _ = model_flops(cfg, tokens, L)
@@ -244,7 +244,7 @@ def bench_grpo(cfg, batch, tokens: int, max_bytes: float) -> None:
     from flax import nnx
 
     import models
-    from cope_jax import methods, train_step
+    from cope_jax.learning import methods, train_step
 
     R, L = batch.tokens.shape[1:]
     flops, _ = model_flops(cfg, tokens, L)

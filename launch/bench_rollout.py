@@ -128,7 +128,7 @@ class ReplayPool:
 def replay_actions(pool, family: str, trajs, max_rounds: int) -> tuple[float, int]:
     """Plays each trajectory's recorded actions through `pool`, all episodes at once; returns
     (wall seconds, environment steps)."""
-    from cope_jax.demos import play_actions
+    from cope_jax.run.demos import play_actions
 
     plans = [(t.task_id, t.actions[:len(t.observations) - 1]) for t in trajs]
     t0 = time.perf_counter()
@@ -141,7 +141,7 @@ def _policy():
     import numpy as np
 
     import models
-    from cope_jax.tokenizer import load_tokenizer
+    from cope_jax.rollout.tokenizer import load_tokenizer
 
     if FLAGS.rollout_model:
         if FLAGS.rollout_turn_end:
@@ -198,9 +198,9 @@ def _tasks(family, n: int) -> list[tuple[int, int]]:
 
 
 def measure(family_name: str, model, tokenizer, style: str, eos_ids) -> dict:
-    from cope_jax.chat import ChatFormat
-    from cope_jax.rollout import RolloutConfig, RolloutRunner
-    from cope_jax.sampler import Sampler
+    from cope_jax.rollout.chat import ChatFormat
+    from cope_jax.rollout.runner import RolloutConfig, RolloutRunner
+    from cope_jax.rollout.sampler import Sampler
     from envs.pool import EnvPool
     from envs.registry import make_family
 

@@ -59,7 +59,7 @@ def _best_interleaved(runs: dict, repeats: int) -> dict:
 def _ours(directory: str, prompts: np.ndarray, new_tokens: int, out: dict) -> dict:
     """Closures running our sampler for 1 and for `new_tokens` tokens (output ids kept in `out`)."""
     import models
-    from cope_jax.sampler import Sampler
+    from cope_jax.rollout.sampler import Sampler
 
     model, _ = models.load_hf_model(directory)
     B, P = prompts.shape

@@ -18,7 +18,7 @@ flags.DEFINE_bool("verbose", False, "On a refused input, show the traceback behi
 
 def refusals() -> tuple[type[BaseException], ...]:
     """The exceptions that mean "this input cannot run" (all carry a one-line message)."""
-    from cope_jax.faults import FaultError
+    from cope_jax.run.faults import FaultError
 
     return (ValueError, OSError, FaultError)  # ConfigError, CheckpointError, TokenizerError are ValueErrors
 
@@ -79,7 +79,7 @@ def start(argv) -> None:
     if not flags.FLAGS["verbosity"].present:  # Orbax logs every save at INFO
         logging.set_verbosity(logging.WARNING)
     if "multihost" in flags.FLAGS and flags.FLAGS.multihost:
-        from cope_jax import distributed
+        from cope_jax.run import distributed
 
         F = flags.FLAGS
         distributed.initialize(F.coordinator_address, F.num_processes, F.process_id)

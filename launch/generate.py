@@ -1,7 +1,7 @@
 """python -m launch.generate --model=DIR --prompt="..." [--chat] [sampling flags]
 
 Loads an HF or Orbax model directory, encodes the prompt (or takes --prompt_ids), generates with
-`cope_jax.sampler.Sampler` and prints one JSON line per sample: ids, text, finish reason, token
+`cope_jax.rollout.sampler.Sampler` and prints one JSON line per sample: ids, text, finish reason, token
 count and the summed policy logprob.
 
 The tokenizer is --tokenizer ('qwen2.5' / 'qwen3' built-in BPE, an HF tokenizer directory or a
@@ -45,7 +45,7 @@ _STYLE_BY_FAMILY = {"qwen2": "qwen2.5", "qwen3": "qwen3"}
 
 
 def _tokenizer(spec: str | None, model_dir: str):
-    from cope_jax.tokenizer import load_tokenizer
+    from cope_jax.rollout.tokenizer import load_tokenizer
 
     if spec is None and any(os.path.isfile(os.path.join(model_dir, f)) for f in _TOKENIZER_FILES):
         spec = model_dir
@@ -66,7 +66,7 @@ def _prompt_ids(tok, cfg) -> list[int]:
                          "pass --tokenizer (e.g. qwen2.5) or --prompt_ids")
     if not FLAGS.chat:
         return tok.encode(FLAGS.prompt)
-    from cope_jax.chat import ChatFormat
+    from cope_jax.rollout.chat import ChatFormat
 
     chat = ChatFormat(tok, FLAGS.chat_style or _STYLE_BY_FAMILY[cfg.family])
     messages = ([{"role": "system", "content": FLAGS.system}] if FLAGS.system is not None else [])
@@ -75,7 +75,7 @@ def _prompt_ids(tok, cfg) -> list[int]:
 
 def generate() -> list[dict]:
     import models
-    from cope_jax.sampler import Sampler
+    from cope_jax.rollout.sampler import Sampler
 
     # everything about the request is checked before the (slow) weight loading
     cfg = models.QwenConfig.from_hf_dir(FLAGS.model)

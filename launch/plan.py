@@ -45,7 +45,7 @@ FLAGS = flags.FLAGS
 
 def _model(c):
     """(QwenConfig, name) of the planned architecture (module docstring)."""
-    from cope_jax import run_config
+    from cope_jax.run import run_config
     from models import QwenConfig, presets
 
     execution = run_config.execution(c)

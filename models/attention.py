@@ -20,7 +20,7 @@ row's are never read. A decode step (one query per row) and, off the kernels, a 
 one online-softmax loop over the filled key blocks, its trip count known only at run time; a
 prefill chunk on TPU / GPU runs the kernel. XLA has no ragged loop, so within a call a row shorter
 than the longest reads the blocks up to the longest (masked): the sampler gathers the rows of a call
-where it can, so idle rows are not among them (`cope_jax/decode.py`).
+where it can, so idle rows are not among them (`cope_jax/rollout/decode.py`).
 
 The pair loop is a `models.loops.fori` of kind "attention" and the cache loop one of kind "cache"
 (while loops: see there), so `launch.plan` counts their cost.

@@ -6,7 +6,7 @@ DIR/config.json             HF config of the architecture (what QwenConfig.from_
 DIR/params/                 Orbax StandardCheckpointer: {"embed": [V,E], "layers": {"q_proj": [L,E,H,D], ...}}
 DIR/generation_config.json  and the tokenizer files, carried over from the source
 ```
-A training checkpoint step (`cope_jax/checkpoint.py`) has the same `params/` item, saved from an
+A training checkpoint step (`cope_jax/run/checkpoint.py`) has the same `params/` item, saved from an
 `nnx.State` (whose leaves nest one level deeper under `value`); `load_params` reads both, given a
 config.json from elsewhere. Restoring builds the target tree from the checkpoint's metadata with a
 `jax.ShapeDtypeStruct` per leaf that carries its sharding on `mesh`, so Orbax reads each device's

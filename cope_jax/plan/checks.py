@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from cope_jax import run_config
+from cope_jax.run import run_config
 from cope_jax.plan.programs import Layout
 from models import qwen
 from models import sharding as shd

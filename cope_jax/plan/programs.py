@@ -25,12 +25,12 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from cope_jax import distributed, run_config
-from cope_jax import replica as replica_lib
-from cope_jax import train_step as ts
-from cope_jax.logprobs import chunk_positions
-from cope_jax.methods import get_method, needing
-from cope_jax.sampler import Sampler
+from cope_jax.run import distributed, run_config
+from cope_jax.run import replica as replica_lib
+from cope_jax.learning import train_step as ts
+from cope_jax.learning.logprobs import chunk_positions
+from cope_jax.learning.methods import get_method, needing
+from cope_jax.rollout.sampler import Sampler
 import models
 from models import attention as attn
 from models import qwen

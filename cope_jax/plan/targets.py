@@ -10,7 +10,7 @@ plugin discovery does not load it into every program; `devices` loads it when a 
 Peak FLOP/s (dense bf16), HBM bytes and bandwidth are per device (a chip; on TPU7x a TensorCore), from
 the vendors' public figures (sources beside the table).
 `usable_bytes` is what a program may use: on TPUs the compiler's own limit (what it reports when it
-refuses a program: `tests/test_plan.py` checks the table against it); on GPUs JAX's allocator takes `XLA_PYTHON_CLIENT_MEM_FRACTION` of the
+refuses a program: `tests/plan/test_plan.py` checks the table against it); on GPUs JAX's allocator takes `XLA_PYTHON_CLIENT_MEM_FRACTION` of the
 memory (0.75 by default), and the GPU compiler checks nothing, so the planner compares.
 """
 from __future__ import annotations

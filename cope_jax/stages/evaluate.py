@@ -5,11 +5,11 @@ from typing import Any
 
 import jax
 
-from cope_jax import distributed
-from cope_jax import faults as faults_lib
-from cope_jax import metrics as metrics_lib
-from cope_jax.build import Components
-from cope_jax.progress import Bar
+from cope_jax.run import distributed
+from cope_jax.run import faults as faults_lib
+from cope_jax.run import metrics as metrics_lib
+from cope_jax.run.build import Components
+from cope_jax.run.progress import Bar
 from cope_jax.stages.loop import rollout, runner
 
 

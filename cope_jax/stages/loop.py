@@ -7,14 +7,14 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from cope_jax import distributed, run_config
-from cope_jax.batching import build_minibatches
-from cope_jax.build import Components
-from cope_jax.methods import LossConfig, MethodSpec
-from cope_jax.packing import pad_micro
-from cope_jax.progress import Bar
-from cope_jax.rollout import RolloutRunner, RolloutStats
-from cope_jax.train_step import Learner
+from cope_jax.run import distributed, run_config
+from cope_jax.learning.batching import build_minibatches
+from cope_jax.run.build import Components
+from cope_jax.learning.methods import LossConfig, MethodSpec
+from cope_jax.learning.packing import pad_micro
+from cope_jax.run.progress import Bar
+from cope_jax.rollout.runner import RolloutRunner, RolloutStats
+from cope_jax.learning.train_step import Learner
 
 
 def runner(parts: Components, kind: str) -> RolloutRunner:

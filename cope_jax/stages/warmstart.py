@@ -1,4 +1,4 @@
-"""The supervised warm start: the policy imitates expert demonstrations (`cope_jax/demos.py`) before
+"""The supervised warm start: the policy imitates expert demonstrations (`cope_jax/run/demos.py`) before
 RL. Done once per workdir: its policy is saved in `warmstart/` and reloaded by every later start."""
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from flax import nnx
 
 import models
 from models import orbax_io
-from cope_jax import distributed, run_config
-from cope_jax.build import Components
-from cope_jax.demos import expert_trajectories
-from cope_jax.forecasting import build_examples
-from cope_jax.methods import get_method
-from cope_jax.progress import Bar
+from cope_jax.run import distributed, run_config
+from cope_jax.run.build import Components
+from cope_jax.run.demos import expert_trajectories
+from cope_jax.learning.forecasting import build_examples
+from cope_jax.learning.methods import get_method
+from cope_jax.run.progress import Bar
 from cope_jax.stages.loop import learn, runner, step_loop
-from cope_jax.train_step import Learner
+from cope_jax.learning.train_step import Learner
 
 WARMSTART_DIR = "warmstart"
 

@@ -1,0 +1,1 @@
+"""Learning from trajectories: advantages, forecasting examples, methods and losses, packing, the train step."""

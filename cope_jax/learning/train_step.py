@@ -1,0 +1,392 @@
+"""The fused train step: packed micro-batches -> one AdamW update, for any registered method.
+
+One step = one PPO mini-batch (`cope_jax/learning/batching.py`): a PackedBatch [micro, rows, L] and the loss
+terms it optimizes (`cope_jax/learning/methods.py`). Inside one jitted function:
+
+1. `lax.scan` over micro-batches. Each micro-batch runs the decoder over its packed rows, then the
+   chunked per-token logprobs / entropies (`cope_jax/learning/logprobs.py`; the [tokens, vocab] logits never
+   exist at once), then the fused loss `sum_term coef_term * term` (`cope_jax/learning/losses.py`). The
+   coefficients are a runtime input (0 for terms outside the method): every method, the
+   sequential AF step and any coefficient schedule run the same executable; only the entropy
+   (an extra pass over the vocabulary) is a static switch.
+2. Gradients and additive metrics are summed over micro-batches. Every term is a weighted token sum
+   whose weights were normalized over the whole mini-batch on the host, so the sum over
+   micro-batches *is* the mini-batch loss and gradient: accumulation is exact, never an average of
+   per-micro-batch means.
+3. optax: clip_by_global_norm(1.0) then AdamW (SPEC 2), through `nnx.Optimizer(model, tx, wrt=nnx.Param)`.
+
+Forward-only jitted functions give `old_logp` (the rollout parameters, before the first update of a
+train batch) and `ref_logp` (the frozen reference policy) on the same packed rows.
+
+Under a mesh the rows of each micro-batch are split over ('data', 'fsdp') (`place_batch`); params and
+optimizer state keep their shardings (`models/sharding.py`) through the step (pinned out_shardings,
+donated inputs).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from cope_jax.learning import logprobs as lp
+from cope_jax.learning import losses
+from cope_jax.learning.methods import TERMS, LossConfig, needing, ordered, reported
+from cope_jax.learning.packing import TOKEN_FIELDS, PackedBatch
+from models import loops, qwen
+from models import sharding as shd
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with global-norm clipping; SPEC 2 defaults (constant lr). `decay_steps` > 0: a short
+    linear warm-up, then cosine decay to `learning_rate * final_lr_fraction` at that step (the
+    supervised warm start uses it). Otherwise `warmup_steps` > 0: a linear warm-up to a constant
+    rate. A fresh AdamW state makes its first updates lr x sign(g) on every parameter (the second
+    moment has seen one gradient), which at a rate that suits later steps throws a policy far off."""
+
+    learning_rate: float = 1e-6
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    clip_norm: float = 1.0
+    decay_steps: int = 0
+    final_lr_fraction: float = 0.05
+    warmup_steps: int = 0
+
+    def schedule(self) -> optax.Schedule | float:
+        if self.decay_steps <= 0:
+            if self.warmup_steps <= 0:
+                return self.learning_rate
+            return optax.linear_schedule(0.0, self.learning_rate, transition_steps=self.warmup_steps)
+        return optax.warmup_cosine_decay_schedule(
+            0.0, self.learning_rate, warmup_steps=max(1, self.decay_steps // 20),
+            decay_steps=self.decay_steps, end_value=self.learning_rate * self.final_lr_fraction)
+
+
+@functools.lru_cache(maxsize=None)
+def make_optimizer(cfg: OptimizerConfig = OptimizerConfig()) -> optax.GradientTransformation:
+    """clip_by_global_norm then AdamW. Cached per config: optax transforms are stateless, and one
+    object per config keeps equal Learners' graphdefs equal, so they share compiled steps."""
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
+                       optax.adamw(cfg.schedule(), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                                   weight_decay=cfg.weight_decay))
+
+
+def model_logprobs(model, batch: PackedBatch, cfg: LossConfig, *, with_entropy: bool, mesh=None):
+    """One micro-batch [rows, L] -> (logp, entropy) [rows, L] in token coordinates."""
+    hidden = model.hidden_states(batch.tokens, batch.positions, batch.segment_ids, batch.branch_ids)
+    return lp.token_logprobs(hidden, model.lm_head_weight(), batch.tokens, batch.segment_ids,
+                             branch_ids=batch.branch_ids,
+                             temperature=cfg.temperature, chunk_tokens=cfg.logits_chunk_tokens,
+                             with_entropy=with_entropy, mesh=mesh)
+
+
+def _drift_sums(sampler_logp, old_logp, weight) -> dict:
+    """|sampler_logp - old_logp| over the sampled tokens (weight > 0): the sampler / trainer
+    mismatch (SPEC 1), as additive sums and a max."""
+    sampled = weight > 0
+    diff = jnp.where(sampled, jnp.abs(sampler_logp - old_logp), 0.0)
+    return {"sampler_drift_sum": diff.sum(), "sampler_drift_max": diff.max(initial=0.0),
+            "sampler_drift_tokens": sampled.sum().astype(jnp.float32)}
+
+
+def micro_loss(model, batch: PackedBatch, coefs: dict, cfg: LossConfig, *, on_policy: bool = False, mesh=None):
+    """Fused loss of one micro-batch [rows, L]: (sum_term coefs[term] * term, additive metrics).
+
+    `coefs` maps each term the batch carries weights for to its coefficient (`TERMS` gives its
+    loss). `on_policy`: the batch was sampled from these very parameters, so the old log-probs are
+    the current ones (stop-gradient) and no separate forward pass gave them.
+    """
+    with_entropy = bool(needing(coefs, "entropy"))
+    logp, ent = model_logprobs(model, batch, cfg, with_entropy=with_entropy, mesh=mesh)
+    if on_policy:
+        batch = batch.replace(old_logp=jax.lax.stop_gradient(logp))
+    total = jnp.zeros((), jnp.float32)
+    metrics = {}
+    for term in ordered(coefs):
+        value, m = TERMS[term].loss(logp, ent, batch.weights[term], batch, cfg)
+        total = total + coefs[term] * value
+        metrics.update(m)
+    uses_old = needing(coefs, "old_logp")
+    if uses_old:
+        metrics.update(_drift_sums(batch.sampler_logp, batch.old_logp, sum(batch.weights[t] for t in uses_old)))
+    metrics["loss"] = total
+    metrics["tokens"] = jnp.sum((batch.segment_ids > 0).astype(jnp.float32))
+    return total, metrics
+
+
+def loss_and_grads(model, batch: PackedBatch, cfg: LossConfig, coefs: dict | None = None, *,
+                   on_policy: bool = False, mesh=None):
+    """batch [micro, rows, L] -> (loss, grads (nnx.State of the params), additive metric sums).
+
+    The loss is sum_term coefs[term] * term over the terms the batch carries weights for; `coefs`
+    defaults to the config's (`LossConfig.coefficients`), and terms it switches off are ignored.
+    Traceable (call it under jit); the step and the tests share it.
+    """
+    coefs = _coefficients(batch, cfg) if coefs is None else coefs
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def one(p, mb):
+        return micro_loss(nnx.merge(graphdef, p), mb, coefs, cfg, on_policy=on_policy, mesh=mesh)
+
+    grad_fn = jax.value_and_grad(one, has_aux=True)
+
+    def accumulate(carry, mb):
+        grads, sums = carry
+        (_, metrics), g = grad_fn(params, mb)
+        grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
+        return grads, losses.accumulate_metrics(sums, metrics)
+
+    def body(carry, mb):
+        # micro-batches without a token of these terms cost nothing: padding (a mini-batch padded
+        # to a compiled size), or the other terms' rows when one term's gradient is asked alone
+        carries = functools.reduce(jnp.logical_or, [jnp.any(mb.weights[t] != 0) for t in coefs])
+        return jax.lax.cond(carries, accumulate, lambda c, _: c, carry, mb), None
+
+    like_params = functools.partial(_like_params, mesh=mesh)
+    zeros = like_params(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+    _, metric_shapes = jax.eval_shape(one, params, batch.micro(0))
+    sums0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes)
+    (grads, sums), _ = loops.scan("micro", body, (zeros, sums0), batch)
+    grads = like_params(jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params))
+    return sums["loss"], grads, sums
+
+
+def _coefficients(batch: PackedBatch, cfg: LossConfig) -> dict:
+    """{term: float32 coefficient} of the batch's terms the config keeps active."""
+    return {t: jnp.float32(c) for t, c in cfg.coefficients(batch.weights).items()}
+
+
+def _like_params(tree, mesh):
+    """Shards a params-shaped tree (the float32 gradient accumulator) like the parameters, so it
+    is never replicated under FSDP."""
+    if mesh is None:
+        return tree
+    return jax.tree.map(jax.lax.with_sharding_constraint, tree, qwen.state_shardings(tree, mesh))
+
+
+def _batch_sharding(shape, mesh):
+    """Rows (axis 0 of [rows, L], axis 1 of [micro, rows, L]) split over the batch axes."""
+    axes = ("batch",) if len(shape) == 2 else (None, "batch")
+    return shd.named_sharding(axes + (None,) * (len(shape) - len(axes)), shape, mesh)
+
+
+def place_batch(batch: PackedBatch, mesh=None) -> PackedBatch:
+    """Batch [micro, rows, L] (or [rows, L]) -> device arrays, rows split over the batch axes.
+    Arrays already placed that way are not moved."""
+    def put(a):
+        if mesh is None:
+            return jnp.asarray(a)
+        return jax.device_put(a, _batch_sharding(np.shape(a), mesh))
+    return jax.tree.map(put, batch)
+
+
+def abstract_batch(shape: tuple[int, int, int], terms, mesh=None) -> PackedBatch:
+    """A PackedBatch of abstract [micro, rows, L] arrays with weights of `terms`, laid out as
+    `place_batch` places them."""
+    sharding = None if mesh is None else _batch_sharding(shape, mesh)
+
+    def leaf(name):
+        return jax.ShapeDtypeStruct(shape, np.dtype(TOKEN_FIELDS.get(name, np.int32)), sharding=sharding)
+
+    fields = {f.name: leaf(f.name) for f in dataclasses.fields(PackedBatch) if f.name != "weights"}
+    return PackedBatch(**fields, weights={t: leaf("old_logp") for t in terms})
+
+
+def train_state_shardings(state, mesh):
+    """NamedSharding per leaf of a (model, optimizer) state: every parameter, and every optimizer
+    leaf shaped like one (AdamW's moments, found by the parameter path its own path ends with),
+    by `PARAM_AXES`; the rest (the step count) replicated."""
+    def one(path, leaf):
+        name = qwen.param_path(path)
+        for param, axes in qwen.PARAM_AXES.items():
+            if (name == param or name.endswith("/" + param)) and len(axes) == len(leaf.shape):
+                return shd.named_sharding(axes, leaf.shape, mesh)
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.tree_util.tree_map_with_path(one, state)
+
+
+def abstract_train_state(model_cfg: qwen.QwenConfig, opt_cfg: OptimizerConfig, mesh):
+    """(graphdef, abstract state) of a Learner's (model, optimizer) on `mesh`, laid out as the
+    Learner lays them out; nothing is allocated."""
+    def build():
+        model = qwen.Qwen(model_cfg, rngs=nnx.Rngs(0), mesh=mesh)
+        return model, nnx.Optimizer(model, make_optimizer(opt_cfg), wrt=nnx.Param)
+
+    graphdef, state = nnx.split(nnx.eval_shape(build))
+    shardings = train_state_shardings(state, mesh)
+    return graphdef, jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
+
+
+def _micro_with_tokens_of(batch: PackedBatch, terms) -> int:
+    """Leading micro-batches of a host batch [micro, rows, L] that hold every token of `terms`,
+    rounded up to a power of two (at most all of them). Placed or 2-D batches: all."""
+    weights = [batch.weights[t] for t in terms]
+    if any(isinstance(w, jax.Array) or np.ndim(w) != 3 for w in weights):
+        return batch.num_micro
+    used = np.flatnonzero(np.any([np.asarray(w).reshape(w.shape[0], -1).any(axis=1) for w in weights], axis=0))
+    if not len(used):
+        return 1  # nothing reads them
+    return min(batch.num_micro, 1 << int(used[-1]).bit_length())
+
+
+def _train_step(graphdef, state, batch, coefs, *, cfg, on_policy, mesh):
+    model, optimizer = nnx.merge(graphdef, state)
+    _, grads, sums = loss_and_grads(model, batch, cfg, coefs, on_policy=on_policy, mesh=mesh)
+    metrics = losses.finalize_metrics(sums)
+    metrics["grad_norm"] = optax.tree.norm(grads)
+    metrics |= _term_grad_norms(model, batch, cfg, coefs, grads, on_policy=on_policy, mesh=mesh)
+    optimizer.update(model, grads)
+    return nnx.state((model, optimizer)), metrics
+
+
+def _term_grad_norms(model, batch, cfg, coefs, grads, *, on_policy, mesh) -> dict:
+    """{grad_norm_<term>} of the asked terms (`cfg.grad_norm_terms`), each from its own pass over the
+    rows, except that when the asked terms are all the batch's terms the last one's gradient is the
+    total minus the others' (the loss is linear in its terms: one pass fewer, exact up to rounding)."""
+    asked = [t for t in cfg.grad_norm_terms if t in coefs]
+    derived = asked.pop() if len(asked) > 1 and set(asked) == set(coefs) else None  # condition first
+    norms, rest = {}, grads
+    for term in asked:
+        _, term_grads, _ = loss_and_grads(model, batch, cfg, {term: coefs[term]}, on_policy=on_policy, mesh=mesh)
+        norms[f"grad_norm_{term}"] = optax.tree.norm(term_grads)
+        if derived:
+            rest = jax.tree.map(lambda r, g: r.astype(jnp.float32) - g.astype(jnp.float32), rest, term_grads)
+    if derived:
+        norms[f"grad_norm_{derived}"] = optax.tree.norm(rest)
+    return norms
+
+
+def _logprobs(graphdef, params, batch, *, cfg, mesh):
+    model = nnx.merge(graphdef, params)
+    return loops.map("micro", lambda mb: model_logprobs(model, mb, cfg, with_entropy=False, mesh=mesh)[0], batch)
+
+
+# Compiled functions are cached on their static inputs, so Learners of the same model, method and
+# optimizer config (e.g. a second run in one process) reuse the executables.
+@functools.lru_cache(maxsize=64)
+def _compiled_step(graphdef, cfg, on_policy, mesh, sharding_leaves, sharding_treedef):
+    shardings = jax.tree.unflatten(sharding_treedef, sharding_leaves)
+    fn = functools.partial(_train_step, graphdef, cfg=cfg, on_policy=on_policy, mesh=mesh)
+    return jax.jit(fn, donate_argnums=0, out_shardings=(shardings, None))
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled_logprobs(graphdef, cfg, mesh):
+    return jax.jit(functools.partial(_logprobs, graphdef, cfg=cfg, mesh=mesh))
+
+
+def step_program(graphdef, state_shardings, cfg: LossConfig, mesh, on_policy: bool = False):
+    """The jitted train step: (state, batch [micro, rows, L], coefs {term: coefficient}) ->
+    (state, metrics); the batch's weights and `coefs` name the same terms."""
+    leaves, treedef = jax.tree.flatten(state_shardings)
+    return _compiled_step(graphdef, cfg.device_part(), on_policy, mesh, tuple(leaves), treedef)
+
+
+def logprobs_program(graphdef, cfg: LossConfig, mesh):
+    """The jitted forward-only pass: (params, batch [micro, rows, L]) -> logp [micro, rows, L]."""
+    return _compiled_logprobs(graphdef, cfg.device_part(), mesh)
+
+
+def _committed(tree, mesh=None):
+    """The same arrays committed to their current shardings (no copy when they already are):
+    jit keys executables on committedness, so the policy and a freshly created reference model
+    would otherwise compile the same forward twice. Under a mesh, leaves created off the mesh
+    (e.g. the optimizer's step counter) are replicated on it."""
+    def target(a):
+        if mesh is not None and not isinstance(a.sharding, jax.sharding.NamedSharding):
+            return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        return a.sharding
+    return jax.device_put(tree, jax.tree.map(target, tree))
+
+
+class Learner:
+    """The policy, its optimizer state and the compiled steps of one run.
+
+    `train(minibatches, ref_model)` runs one train batch sampled from the current parameters: the
+    old / reference log-probs of every mini-batch first (so `old_logp` is the rollout policy for
+    all of them), then one optimizer step per mini-batch. `optimizer`: an `OptimizerConfig`
+    (clipping + AdamW, SPEC 2) or any optax transform.
+    """
+
+    def __init__(self, model, cfg: LossConfig,
+                 optimizer: OptimizerConfig | optax.GradientTransformation = OptimizerConfig(), *, mesh=None):
+        self.model = model
+        self.cfg = cfg
+        self.mesh = mesh
+        tx = make_optimizer(optimizer) if isinstance(optimizer, OptimizerConfig) else optimizer
+        self.optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        self._graphdef, state = nnx.split((model, self.optimizer))
+        # committed now, so the step's outputs (pinned to the same shardings) hit the executable
+        # compiled for its first inputs
+        state = _committed(state) if mesh is None else jax.device_put(state, train_state_shardings(state, mesh))
+        nnx.update((model, self.optimizer), state)
+        self._shardings = jax.tree.map(lambda a: a.sharding, state)
+
+    def step_program(self, on_policy: bool = False):
+        """The compiled step (`step_program`) of this learner's state."""
+        return step_program(self._graphdef, self._shardings, self.cfg, self.mesh, on_policy)
+
+    # -- public API --------------------------------------------------------------------------------
+    def step(self, batch: PackedBatch, *, on_policy: bool = False) -> dict[str, jax.Array]:
+        """One optimizer step on a placed or host batch [micro, rows, L] over the terms it carries
+        weights for; returns its metrics. `on_policy`: no update since the batch was sampled, so
+        its old log-probs are the current ones, taken inside the step (`fill_logprobs` skips them)."""
+        batch = self._active(batch)
+        coefs = _coefficients(batch, self.cfg)
+        state = nnx.state((self.model, self.optimizer))
+        new_state, metrics = self.step_program(on_policy)(state, place_batch(batch, self.mesh), coefs)
+        nnx.update((self.model, self.optimizer), new_state)
+        return {k: v for k, v in metrics.items() if reported(k, coefs)}
+
+    def _active(self, batch: PackedBatch) -> PackedBatch:
+        """The batch without the weights of terms the config switches off."""
+        active = self.cfg.active_terms(batch.weights)
+        return batch.replace(weights={t: batch.weights[t] for t in active})
+
+    def logprobs(self, batch: PackedBatch, model=None) -> jax.Array:
+        """Forward-only logp [micro, rows, L] of `model` (default: the policy) on the packed rows."""
+        model = self.model if model is None else model
+        fn = logprobs_program(nnx.graphdef(model), self.cfg, self.mesh)
+        return fn(_committed(nnx.state(model, nnx.Param)), place_batch(batch, self.mesh))
+
+    def fill_logprobs(self, batch: PackedBatch, ref_model=None, *, on_policy: bool = False) -> PackedBatch:
+        """Places a host batch and adds what its terms need: old_logp (the current policy's; not
+        with `on_policy`, where the step takes them) and ref_logp (`ref_model`'s). The log-probs
+        stay on the devices, in the batch's sharding (on several hosts no host holds all of them).
+
+        Only the leading micro-batches holding those terms' tokens run the forward pass (trajectory
+        rows are packed before forecasting rows), rounded up to a power of two micro-batches (few
+        compiled shapes); the rest stays 0.
+        """
+        batch = self._active(batch)
+        models = {"old_logp": None if on_policy else self.model, "ref_logp": ref_model}
+        wanted = {f: needing(batch.weights, f) for f in models if not (f == "old_logp" and on_policy)}
+        heads = {f: _micro_with_tokens_of(batch, terms) for f, terms in wanted.items() if terms}
+        batch = place_batch(batch, self.mesh)
+        for field, head in heads.items():
+            if models[field] is None:
+                raise ValueError(f"the {' / '.join(wanted[field])} term needs a reference model")
+            part = jax.tree.map(lambda a: a[:head], batch) if head < batch.num_micro else batch
+            logp = self.logprobs(part, models[field])
+            if head < batch.num_micro:
+                logp = jnp.pad(logp, ((0, batch.num_micro - head), (0, 0), (0, 0)))
+            batch = batch.replace(**{field: logp})
+        return batch
+
+    def train(self, minibatches, ref_model=None) -> list[dict]:
+        """One train batch: `minibatches` (`cope_jax.learning.batching.MiniBatch`es, in order), sampled from
+        the current parameters. When only the first reads old log-probs (one policy mini-batch, one
+        epoch), they are the parameters' own at its step: it runs `on_policy`, without that pass."""
+        with_old = [i for i, mb in enumerate(minibatches) if needing(self.cfg.active_terms(mb.terms), "old_logp")]
+        on_policy = with_old == [0]
+        filled = [self.fill_logprobs(mb.batch, ref_model, on_policy=on_policy and i == 0)
+                  for i, mb in enumerate(minibatches)]
+        return [{k: float(v) for k, v in self.step(batch, on_policy=on_policy and i == 0).items()}
+                for i, batch in enumerate(filled)]

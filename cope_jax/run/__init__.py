@@ -1,0 +1,1 @@
+"""A run's setup and its services: config, meshes and hosts, components, checkpoints, metrics, faults, demonstrations."""

@@ -1,0 +1,142 @@
+"""Run metrics: episode summaries (Score, Succ, per family, Avg@k), the metrics log, and plots.
+
+Definitions (paper B.4, SPEC 5): Score = mean raw environment score, Succ = mean success label Y,
+both per sub-task family and overall. The overall is count-weighted over all episodes, except for
+families that declare `overall = "family-mean"` (tau2: the unweighted mean of its domains). With k
+samples per task, Avg@k is the mean over all k x tasks episodes (= the mean of per-sample means).
+
+`MetricsLog` appends one JSON line per record to `<workdir>/metrics.jsonl` (the source of the
+plots and of the resume test) and mirrors scalars to TensorBoard event files. Only process 0 writes.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import defaultdict
+from typing import Any, Sequence
+
+import numpy as np
+
+from cope_jax.rollout.trajectory import Trajectory
+
+
+def summarize(trajectories: Sequence[Trajectory], *, overall: str = "count-weighted") -> dict[str, Any]:
+    """{'score', 'succ', 'episodes', 'families': {name: {...}}, ...} of a set of episodes."""
+    by_family: dict[str, list[Trajectory]] = defaultdict(list)
+    for t in trajectories:
+        by_family[t.metadata.get("task_family", t.family)].append(t)
+    fams = {name: {"score": float(np.mean([t.score for t in ts])),
+                   "succ": float(np.mean([t.success for t in ts])), "episodes": len(ts)}
+            for name, ts in sorted(by_family.items())}
+    if not trajectories:
+        return {"score": math.nan, "succ": math.nan, "episodes": 0, "families": {}}
+    if overall == "family-mean":
+        score = float(np.mean([f["score"] for f in fams.values()]))
+        succ = float(np.mean([f["succ"] for f in fams.values()]))
+    else:
+        score = float(np.mean([t.score for t in trajectories]))
+        succ = float(np.mean([t.success for t in trajectories]))
+    reasons: dict[str, int] = defaultdict(int)
+    for t in trajectories:
+        reasons[t.finish_reason] += 1
+    return {"score": score, "succ": succ, "episodes": len(trajectories), "families": fams,
+            "overall": overall, "finish_reasons": dict(reasons),
+            "mean_steps": float(np.mean([t.num_steps for t in trajectories]))}
+
+
+def markdown_table(results: dict[str, dict[str, Any]]) -> str:
+    """A table of Score / Succ per family for each named result (e.g. 'warmstart', 'final')."""
+    families = sorted({f for r in results.values() for f in r.get("families", {})})
+    head = "| run | " + " | ".join(f"{f} succ" for f in families) + " | Score | Succ | episodes |"
+    lines = [head, "|" + " --- |" * (len(families) + 4)]
+    for name, r in results.items():
+        cells = [f"{100 * r['families'][f]['succ']:.1f}" if f in r["families"] else "-" for f in families]
+        lines.append(f"| {name} | " + " | ".join(cells) +
+                     f" | {r['score']:.3f} | {100 * r['succ']:.1f} | {r['episodes']} |")
+    return "\n".join(lines) + "\n"
+
+
+class MetricsLog:
+    """metrics.jsonl + TensorBoard scalars under `workdir` (process 0 only)."""
+
+    def __init__(self, workdir: str, *, enabled: bool = True):
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        self.enabled = enabled
+        self._tb = None
+        if enabled:
+            from tensorboardX import SummaryWriter
+
+            os.makedirs(workdir, exist_ok=True)
+            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+    def write(self, kind: str, step: int, values: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {"kind": kind, "step": int(step), **values}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record, sort_keys=True, default=float) + "\n")
+        for name, v in values.items():
+            if isinstance(v, (int, float, np.floating, np.integer)) and math.isfinite(float(v)):
+                self._tb.add_scalar(f"{kind}/{name}", float(v), int(step))
+        self._tb.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_log(workdir: str) -> list[dict[str, Any]]:
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def latest_records(records: Sequence[dict], kind: str) -> dict[int, dict]:
+    """{step: record} of one kind; a step logged twice (a resumed run) keeps the newest record."""
+    return {r["step"]: r for r in records if r["kind"] == kind}
+
+
+def plot_learning_curves(workdir: str, path: str | None = None) -> str:
+    """PNG of success and reward over steps: training rollouts and evaluation points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_log(workdir)
+    train = latest_records(records, "train")
+    evals = latest_records(records, "eval")
+    path = path or os.path.join(workdir, "learning_curves.png")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, label in ((axes[0], "succ", "success rate"), (axes[1], "score", "reward (raw score)")):
+        steps = sorted(train)
+        ax.plot(steps, [train[s].get(key, math.nan) for s in steps], ".-", alpha=0.6, label="train rollouts")
+        esteps = sorted(evals)
+        ax.plot(esteps, [evals[s].get(key, math.nan) for s in esteps], "o-", lw=2, label="eval (test split)")
+        if key == "succ":
+            ax.set_ylim(-0.02, 1.02)
+        ax.set_xlabel("RL step")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(os.path.basename(os.path.normpath(workdir)))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_eval_report(workdir: str, results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> dict[str, str]:
+    """eval.json, eval.md (a Score/Succ table) and learning_curves.png in `workdir`."""
+    paths = {"json": os.path.join(workdir, "eval.json"), "markdown": os.path.join(workdir, "eval.md")}
+    with open(paths["json"], "w") as f:
+        json.dump({**meta, "results": results}, f, indent=2, sort_keys=True)
+    with open(paths["markdown"], "w") as f:
+        f.write(f"# Evaluation: {meta.get('config', '')}\n\n")
+        f.write(", ".join(f"{k}: {v}" for k, v in meta.items() if k != "config") + "\n\n")
+        f.write(markdown_table(results))
+    paths["plot"] = plot_learning_curves(workdir)
+    return paths

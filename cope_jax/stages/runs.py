@@ -1,0 +1,86 @@
+"""The two jobs behind `launch.train` and `launch.eval`, callable without absl flags."""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from cope_jax.run import metrics as metrics_lib
+
+
+def train_run(config, workdir: str, *, progress: bool = True, resume: str = "latest") -> dict[str, Any]:
+    """Warm start (once per workdir), the starting policy's evaluation (once), then the RL stage
+    (resumed from the newest checkpoint; `resume`: `cope_jax/stages/rl.py: resume_from`). Returns the
+    last evaluation summary."""
+    from cope_jax.run.build import build
+    from cope_jax.stages.evaluate import evaluate_once
+    from cope_jax.stages.rl import train
+    from cope_jax.stages.warmstart import warmstart
+
+    parts = build(config, workdir)
+    try:
+        warmstart(parts, progress=progress)
+        s = evaluate_once(parts, 0, progress=progress) if config.eval.every else None
+        if s:
+            print(f"step 0 (start of RL): succ {s['succ']:.3f} score {s['score']:.3f}", file=sys.stderr)
+        summary = train(parts, progress=progress, resume=resume)
+        if not summary:  # nothing left to train: report the run's last evaluation
+            evals = metrics_lib.latest_records(metrics_lib.read_log(parts.workdir), "eval")
+            summary = evals[max(evals)] if evals else {}
+        return summary
+    finally:
+        parts.close()
+
+
+def eval_run(config, workdir: str, *, checkpoint: int | None = None, split: str | None = None,
+             samples: int | None = None, tasks: int | None = None, progress: bool = False) -> dict[str, Any]:
+    """Evaluates one checkpoint of a run (default: the newest; 0: the starting policy) and writes
+    eval.json, eval.md and learning_curves.png next to the run's logged evaluations. Never trains:
+    a run without checkpoints (or, for 0, without its finished warm start) is refused."""
+    from flax import nnx
+
+    from cope_jax.run.build import build
+    from cope_jax.run.checkpoint import TrainCheckpointer
+    from cope_jax.stages.evaluate import evaluate
+    from cope_jax.stages.rl import CHECKPOINT_DIR
+    from cope_jax.stages.warmstart import WARMSTART_DIR, warmstart
+
+    if not os.path.isfile(os.path.join(workdir, "config.json")):
+        raise FileNotFoundError(f"{workdir} is not a run directory (no config.json); run launch.train first")
+    ckpt_dir = os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
+    latest = TrainCheckpointer.steps_in(ckpt_dir)
+    step = checkpoint if checkpoint is not None else (latest[-1] if latest else None)
+    if step is None:
+        raise FileNotFoundError(f"{workdir} has no checkpoint yet; pass --checkpoint=0 to evaluate the policy "
+                                "RL starts from")
+    if step and step not in latest:
+        raise FileNotFoundError(f"{workdir} has no checkpoint {step} (it has {latest or 'none'})")
+    if not step and config.warmstart.steps > 0 and not os.path.isdir(os.path.join(workdir, WARMSTART_DIR)):
+        raise FileNotFoundError(f"{workdir} has no finished warm start ({WARMSTART_DIR}/), so no starting policy "
+                                "to evaluate; run launch.train first")
+    parts = build(config, workdir)
+    try:
+        ckpt = TrainCheckpointer(ckpt_dir)
+        if not step:
+            warmstart(parts)  # loads the finished warm start (checked above), never trains
+        else:
+            _, state, _, _ = ckpt.restore(step, abstract_state={"params": nnx.state(parts.model, nnx.Param)})
+            nnx.update(parts.model, state["params"])
+        ckpt.close()
+        summary = evaluate(parts, step, split=split, samples=samples, tasks=tasks, name="eval_binary",
+                           progress=progress)
+        logged = metrics_lib.latest_records(metrics_lib.read_log(parts.workdir), "eval")
+        results = {f"step_{s}": _from_record(r) for s, r in sorted(logged.items())}
+        results[f"checkpoint_{step}"] = summary
+        meta = {"config": config.env.family + ":" + config.method, "checkpoint": step,
+                "split": summary["split"], "samples": summary["samples"]}
+        paths = metrics_lib.write_eval_report(parts.workdir, results, meta) if parts.is_main else {}
+        return {"checkpoint": step, "succ": summary["succ"], "score": summary["score"],
+                "episodes": summary["episodes"], **paths}
+    finally:
+        parts.close()
+
+
+def _from_record(r: dict) -> dict:
+    fams = {k.split("/", 1)[1]: {"succ": v} for k, v in r.items() if k.startswith("succ/")}
+    return {"score": r["score"], "succ": r["succ"], "episodes": r["episodes"], "families": fams}

@@ -1,0 +1,60 @@
+"""The rollout overlap benchmark: its line, its CPU accounting and its flags."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from envs.pool import EnvPool
+from launch.bench_rollout import _cpu_s
+from tests.paths import ROOT
+
+SMALL = ["--suite=rollout", "--rollout_families=builtin", "--rollout_episodes=4", "--rollout_rounds=2",
+         "--rollout_turn_tokens=4", "--rollout_repeats=1", "--rollout_workers=2", "--rollout_envs_per_worker=1",
+         "--rollout_update_s=0.2"]
+
+
+def _bench(*flags):
+    return subprocess.run([sys.executable, "-m", "launch.bench", *SMALL, *flags], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_cpu_time_counts_the_environment_workers():
+    with EnvPool({"builtin": 2}) as pool:
+        for ep in ("a", "b"):  # one per worker: both are up and idle after this
+            pool.submit_reset(ep, "builtin", 0)
+        assert len(pool.wait_all(timeout=60)) == 2
+        workers = _cpu_s(pool) - time.process_time()  # starting them cost CPU (imports)
+        assert workers > 0.02  # without the workers, ~0 (this process is subtracted)
+        c0 = _cpu_s(pool)
+        t0 = time.process_time()  # after c0: reading /proc costs this process CPU too
+        while time.process_time() - t0 < 0.2:  # this process burns 0.2 s
+            pass
+        assert 0.2 <= _cpu_s(pool) - c0 < 0.2 + workers
+
+
+def test_the_line_puts_the_rollout_next_to_its_parts():
+    out = _bench("--rollout_turn_end=0.25")
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = json.loads(next(ln for ln in out.stdout.splitlines() if ln.startswith("{")))
+    assert line["family"] == "builtin" and line["env_steps"] == line["env_steps_replayed"] == 8
+    # a quarter of the vocabulary ends a turn: most turns stop before the 4-token cap
+    assert 0 < line["gen_tokens"] < 4 * 2 * 4
+    for k in ("wall_s", "cold_wall_s", "sampling_s", "env_s", "sync_wall_s"):
+        assert line[k] > 0 and line[k.replace("_s", "_cpu_s")] > 0
+    # times carry 4 significant digits (a millisecond environment time is not 0), ratios 3 decimals
+    assert line["overlap"] == pytest.approx(line["wall_s"] / max(line["sampling_s"], line["env_s"]), rel=0.005)
+    assert line["sum_s"] == pytest.approx(line["sampling_s"] + line["env_s"], rel=0.002)
+    assert line["wall_over_sum"] == pytest.approx(line["wall_s"] / line["sum_s"], rel=0.005)
+    assert line["cpus"] == len(os.sched_getaffinity(0)) and line["overlap_floor"] >= 1.0
+
+
+def test_bad_flags_are_refused():
+    out = _bench("--rollout_turn_end=1.5")
+    assert out.returncode != 0 and "--rollout_turn_end must be in [0, 1)" in out.stderr
+    out = _bench("--rollout_turn_end=0.1", "--rollout_model=nowhere")
+    assert out.returncode != 0 and "a --rollout_model ends its own turns" in out.stderr
+    out = _bench("--rollout_update_s=-1")
+    assert out.returncode != 0 and "--rollout_update_s must be >= 0" in out.stderr

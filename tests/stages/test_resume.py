@@ -1,0 +1,152 @@
+"""A corrupt checkpoint: one line naming the step and what is wrong, the newest intact step and the
+flag; with `resume="latest_valid"` the run continues from the intact step to the same metrics."""
+import glob
+import json
+import os
+import shutil
+
+import pytest
+
+from cope_jax.run.build import build
+from cope_jax.stages.runs import train_run
+from cope_jax.stages.rl import train
+from models import CheckpointError
+from tests.stages.test_train_e2e import TIMING, tiny_config
+from tests.stages.test_train_e2e import _metrics as _train_records
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """Three steps trained straight; checkpoints 2 and 3 kept."""
+    workdir = str(tmp_path_factory.mktemp("straight") / "run")
+    c = tiny_config("grpo", steps=3)
+    c.eval.every = 0
+    train_run(c, workdir, progress=False)
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2", "3"]
+    return c, workdir
+
+
+def _truncate(path):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def _largest_file(directory):
+    return max((p for p in glob.glob(os.path.join(directory, "**"), recursive=True) if os.path.isfile(p)),
+               key=os.path.getsize)
+
+
+CORRUPTIONS = {
+    "truncated data file": (lambda d: _truncate(_largest_file(os.path.join(d, "params"))), ""),
+    "missing _METADATA": (lambda d: os.remove(os.path.join(d, "params", "_METADATA")), ""),
+    "truncated data_state": (lambda d: _truncate(os.path.join(d, "data_state", "metadata")), ""),
+    "missing optimizer": (lambda d: shutil.rmtree(os.path.join(d, "optimizer")), "missing optimizer/"),
+}
+
+
+@pytest.mark.parametrize("case", list(CORRUPTIONS))
+def test_a_corrupt_step_stops_with_one_line_then_resumes_from_the_intact_one(straight, tmp_path, case, capsys):
+    c, source = straight
+    workdir = str(tmp_path / "run")
+    shutil.copytree(source, workdir)
+    corrupt, detail = CORRUPTIONS[case]
+    corrupt(os.path.join(workdir, "checkpoints", "3"))
+    parts = build(c, workdir)
+    try:
+        with pytest.raises(CheckpointError) as e:
+            train(parts, progress=False)
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith("checkpoint step 3 (") and "is unreadable" in msg, msg
+        assert detail in msg and msg.endswith("step 2 is intact: rerun with --resume=latest_valid to continue from it")
+        assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2", "3"]  # nothing touched
+        train(parts, progress=False, resume="latest_valid")
+    finally:
+        parts.close()
+    assert "resuming from step 2" in capsys.readouterr().err
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2", "3", "3.unreadable"]
+    records = [r for r in map(json.loads, open(os.path.join(workdir, "metrics.jsonl"))) if r["kind"] == "train"]
+    again = {k: v for k, v in records[-1].items() if not k.endswith(TIMING)}
+    assert again == _train_records(source)[3]
+
+
+def test_a_run_stopped_between_checkpoint_and_evaluation_evaluates_on_resume(tmp_path):
+    """The evaluation due at the step a run resumes from is run (and logged) if the last life
+    checkpointed that step but stopped before evaluating it; a finished one is never repeated."""
+    workdir = str(tmp_path / "run")
+    c = tiny_config("grpo", steps=2)
+    train_run(c, workdir, progress=False)
+    path = os.path.join(workdir, "metrics.jsonl")
+    records = [json.loads(line) for line in open(path)]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 2]
+    with open(path, "w") as f:  # as if killed during the evaluation after step 2
+        f.writelines(json.dumps(r) + "\n" for r in records if not (r["kind"] == "eval" and r["step"] == 2))
+    summary = train_run(c, workdir, progress=False)
+    again = [json.loads(line) for line in open(path)]
+    assert [r["step"] for r in again if r["kind"] == "eval"] == [0, 2]
+    assert [r["step"] for r in again if r["kind"] == "train"] == [1, 2]  # nothing trained again
+    assert summary["episodes"] == evals[1]["episodes"] and summary["succ"] == evals[1]["succ"]
+    train_run(c, workdir, progress=False)
+    assert len([json.loads(line) for line in open(path)]) == len(again)
+
+
+class _Checkpoints:
+    """A checkpointer of steps 2 and 3 whose `unreadable` steps fail to restore (one host's view)."""
+
+    workdir = "run"
+
+    def __init__(self, steps, unreadable=()):
+        self.steps, self.unreadable, self.set_aside_steps = list(steps), set(unreadable), []
+
+    def all_steps(self):
+        return self.steps
+
+    def step_dir(self, step):
+        return f"run/checkpoints/{step}"
+
+    def restore(self, step, *, abstract_state):
+        if step in self.unreadable:
+            raise CheckpointError(f"checkpoint step {step} ({self.step_dir(step)}) is unreadable: truncated")
+        return step, abstract_state, {}, {}
+
+    def set_aside(self, step):
+        self.set_aside_steps.append(step)
+        return self.step_dir(step) + ".unreadable"
+
+
+def _hosts(monkeypatch, other: _Checkpoints):
+    """This process is process 0 of two; process 1 sees `other`. The exchanges in `resume_from`
+    are, in order: the step lists, then one restore verdict per step tried."""
+    from cope_jax.run import distributed
+
+    verdicts = iter(None if s not in other.unreadable else f"checkpoint step {s} is unreadable: truncated"
+                    for s in sorted(other.steps, reverse=True))
+
+    def allgather(obj):
+        return [obj, other.steps if isinstance(obj, list) else next(verdicts)]
+    monkeypatch.setattr(distributed, "allgather_objects", allgather)
+
+
+@pytest.mark.parametrize("other", [_Checkpoints([2, 3], unreadable=[3]), _Checkpoints([2])],
+                         ids=["other_host_cannot_read", "other_host_does_not_see"])
+def test_every_host_resumes_from_the_same_step(monkeypatch, other):
+    """Multi-host: this host reads step 3, process 1 cannot (or does not list it): step 3 is
+    unreadable for both, the run stops naming process 1, and latest_valid resumes both from step 2."""
+    from cope_jax.stages.rl import resume_from
+
+    _hosts(monkeypatch, other)
+    mine = _Checkpoints([2, 3])
+    stop = r"(process 1.*step 3|step 3.*process 1).*; step 2 is intact: rerun with --resume=latest_valid"
+    with pytest.raises(CheckpointError, match=stop):
+        resume_from(mine, {"params": 0}, "latest", is_main=True)
+    _hosts(monkeypatch, other)
+    step, _, _, _ = resume_from(mine, {"params": 0}, "latest_valid", is_main=True)
+    assert step == 2 and mine.set_aside_steps == [3]
+
+
+def test_hosts_that_read_every_step_resume_from_the_newest(monkeypatch):
+    from cope_jax.stages.rl import resume_from
+
+    _hosts(monkeypatch, _Checkpoints([2, 3]))
+    step, _, _, _ = resume_from(_Checkpoints([2, 3]), {"params": 0}, "latest", is_main=True)
+    assert step == 3
