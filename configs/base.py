@@ -80,7 +80,7 @@ def base_config(method: str = "cope") -> ml_collections.ConfigDict:
         # loss terms whose own gradient norm every step reports (grad_norm_<term>): one more forward
         # and backward pass each (one fewer when they are all the loss's terms: the last is the total
         # minus the others), e.g. ("pg", "af") for the policy and forecasting terms' balance; it
-        # raises the train step's memory (README: +5 GiB per chip for a 7B model on v4-32)
+        # raises the train step's memory (docs/training.md: +5 GiB per chip for a 7B model on v4-32)
         grad_norm_terms=(),
     ))
     # optional supervised warm start on expert demonstrations (the demo uses it); af_examples:

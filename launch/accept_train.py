@@ -116,7 +116,8 @@ def _config(size: str, preset: str | None):
     for group, values in overrides.items():
         c[group].update(values)
     c.warmstart.steps = 0
-    cfg = presets.preset_config(preset, **run_config.execution(c)) if preset else run_config.random_model_config(c, 1024)
+    execution = run_config.execution(c)
+    cfg = presets.preset_config(preset, **execution) if preset else run_config.random_model_config(c, 1024)
     return c, cfg
 
 

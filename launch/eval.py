@@ -3,7 +3,8 @@
 Evaluates a run's checkpoint (default: the newest; 0 = the policy RL started from, i.e. the warm
 start or the pretrained model) on a split: Score and Succ per sub-task family and overall, Avg@k
 over k samples per task. Writes DIR/eval.json, DIR/eval.md and DIR/learning_curves.png, next to the
-run's logged evaluations.
+run's logged evaluations. Prints test success per family across the run (right after the warm
+start, at each logged evaluation, and this checkpoint's), then the summary as one JSON line.
 """
 from __future__ import annotations
 
@@ -32,8 +33,14 @@ def main(argv):
     cli.start(argv)
     from cope_jax.stages.runs import eval_run
 
-    print(json.dumps(eval_run(FLAGS.config, FLAGS.workdir, checkpoint=FLAGS.checkpoint, split=FLAGS.split,
-                              samples=FLAGS.samples, tasks=FLAGS.tasks, progress=FLAGS.progress)))
+    out = eval_run(FLAGS.config, FLAGS.workdir, checkpoint=FLAGS.checkpoint, split=FLAGS.split,
+                   samples=FLAGS.samples, tasks=FLAGS.tasks, progress=FLAGS.progress)
+    if "json" in out:  # process 0
+        from cope_jax.run.metrics import success_screen
+
+        with open(out["json"]) as f:
+            print(success_screen(json.load(f)))
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

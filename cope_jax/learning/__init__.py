@@ -1,1 +1,2 @@
-"""Learning from trajectories: advantages, forecasting examples, methods and losses, packing, the train step."""
+"""Learning from trajectories: advantages, forecasting examples, methods and losses, segments,
+weights and packing, the train step."""

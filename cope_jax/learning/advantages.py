@@ -8,6 +8,8 @@ trajectory; groups need not be contiguous) and returns per-trajectory float32 va
 - `progpo_advantages`: the ProGPO fallback for all-fail groups (SPEC 4) on top of GRPO.
 - `first_visit_coverage`: ProGPO's progress score P = (distinct observations - 1) / T.
 - `forecast_weights`: the CoPE group normalization Y / max(1, |S_x|) (SPEC 3).
+
+`compute_advantages` applies a method's estimator to a train batch's trajectories.
 """
 from __future__ import annotations
 
@@ -105,8 +107,40 @@ def forecast_weights(success, group_ids) -> np.ndarray:
     return y / np.maximum(1.0, n_success)  # float64: the exact ratio, rounded once where packed
 
 
+def successful_groups(success, group_ids) -> set[int]:
+    """The groups with at least one successful trajectory."""
+    y = _check(success, group_ids, "success")
+    return {int(g) for g in np.asarray(group_ids)[y > 0]}
+
+
 def groups_with_success(success, group_ids) -> int:
     """Number of groups with at least one successful trajectory (the default AF normalizer)."""
-    y = _check(success, group_ids, "success")
-    uniq, inv = _groups(group_ids)
-    return int(np.count_nonzero(np.bincount(inv, y, minlength=len(uniq))))
+    return len(successful_groups(success, group_ids))
+
+
+# A train batch's trajectories: the host side's first step (`batching.build_minibatches`)
+
+def rewards(trajectories) -> np.ndarray:
+    """Y per trajectory [N] (float64)."""
+    return np.array([float(t.success) for t in trajectories], np.float64)
+
+
+def _grpo(trajectories, cfg):
+    return grpo_advantages(rewards(trajectories), [t.group_id for t in trajectories]), {}
+
+
+def _progpo(trajectories, cfg):
+    progress = [first_visit_coverage(t.observations, t.num_steps) for t in trajectories]
+    return progpo_advantages(rewards(trajectories), progress, [t.group_id for t in trajectories],
+                             scale=cfg.progpo_scale)
+
+
+ESTIMATORS = {"grpo": _grpo, "progpo": _progpo}  # a method's `advantage` field -> its estimator
+
+
+def compute_advantages(spec, trajectories, cfg) -> tuple[np.ndarray, dict[str, float]]:
+    """Per-trajectory advantages of the method's (`MethodSpec`) estimator over the whole train
+    batch ([N], stats); zeros for a method without one."""
+    if spec.advantage is None:
+        return np.zeros(len(trajectories), np.float32), {}
+    return ESTIMATORS[spec.advantage](trajectories, cfg)

@@ -16,7 +16,7 @@ one weight array per term in use; `cope_jax/learning/train_step.py` sums `coeffi
   echo      observation tokens of trajectory rows    token mean              echo_coef
 
 A method is a list of terms plus how their inputs are built: `advantage` picks the estimator
-(`cope_jax/learning/advantages.py`), `forecast_kind` and `horizon` tell `cope_jax/learning/forecasting.py` which examples
+(`advantages.py`), `forecast_kind` and `horizon` tell `forecasting.py` which examples
 to build ('plan': history up to o_t + planning request -> the K+1 realized actions; 'sft': history
 up to o_t -> the full assistant turn), `trajectories` which rollouts enter as trajectory rows.
 Nothing else in the code branches on a method's or a term's name. docs/architecture.md walks

@@ -1,1 +1,2 @@
-"""A run's setup and its services: config, meshes and hosts, components, checkpoints, metrics, faults, demonstrations."""
+"""A run's setup and its services: config, meshes and hosts, components, checkpoints, metrics,
+faults, demonstrations."""

@@ -57,6 +57,43 @@ def markdown_table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def success_table(results: dict[str, dict[str, Any]]) -> str:
+    """Test success per family (rows) for each named result (columns), each with its binomial
+    standard error over the result's episodes: what a reader compares across training."""
+    families = sorted({f for r in results.values() for f in r.get("families", {})})
+    lines = ["| family | " + " | ".join(results) + " |", "|" + " --- |" * (len(results) + 1)]
+    for f in families + ["overall"]:
+        cells = []
+        for r in results.values():
+            cell = r if f == "overall" else r.get("families", {}).get(f)
+            cells.append("-" if cell is None else _with_error(cell["succ"], cell.get("episodes")))
+        lines.append(f"| {f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def success_screen(report: dict[str, Any]) -> str:
+    """An eval.json report's results as the success table, in step order, columns named for a
+    reader (the evaluation binary's last screen)."""
+    def step(name: str) -> int:
+        return int(name.rsplit("_", 1)[1])
+
+    def label(name: str) -> str:
+        if name.startswith("checkpoint"):
+            return f"checkpoint {step(name)} (this evaluation)"
+        return "start (step 0)" if step(name) == 0 else f"step {step(name)}"
+
+    order = sorted(report["results"], key=lambda k: (k.startswith("checkpoint"), step(k)))
+    table = success_table({label(k): report["results"][k] for k in order})
+    return (f"Test success, {report['split']} split, {report['samples']} sample(s) per task "
+            f"(± binomial standard error):\n{table}")
+
+
+def _with_error(p: float, n: int | None) -> str:
+    if not n:
+        return f"{p:.3f}"
+    return f"{p:.3f} ± {math.sqrt(p * (1 - p) / n):.3f}"
+
+
 class MetricsLog:
     """metrics.jsonl + TensorBoard scalars under `workdir` (process 0 only)."""
 
@@ -138,5 +175,6 @@ def write_eval_report(workdir: str, results: dict[str, dict[str, Any]], meta: di
         f.write(f"# Evaluation: {meta.get('config', '')}\n\n")
         f.write(", ".join(f"{k}: {v}" for k, v in meta.items() if k != "config") + "\n\n")
         f.write(markdown_table(results))
+        f.write("\nTest success (± its binomial standard error over the episodes):\n\n" + success_table(results))
     paths["plot"] = plot_learning_curves(workdir)
     return paths

@@ -33,7 +33,8 @@ def evaluate(parts: Components, step: int, *, split: str | None = None, samples:
     summary = metrics_lib.summarize(trajs, overall=getattr(parts.family, "overall", "count-weighted"))
     summary.update(split=split, samples=samples, tasks=len(ids), seconds=stats.wall_s, **faults.record())
     parts.log.write(name, step, {k: v for k, v in summary.items() if not isinstance(v, dict)}
-                    | {f"succ/{f}": v["succ"] for f, v in summary["families"].items()})
+                    | {f"succ/{f}": v["succ"] for f, v in summary["families"].items()}
+                    | {f"episodes/{f}": v["episodes"] for f, v in summary["families"].items()})
     return summary
 
 

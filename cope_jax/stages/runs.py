@@ -83,4 +83,7 @@ def eval_run(config, workdir: str, *, checkpoint: int | None = None, split: str 
 
 def _from_record(r: dict) -> dict:
     fams = {k.split("/", 1)[1]: {"succ": v} for k, v in r.items() if k.startswith("succ/")}
+    for f, fam in fams.items():
+        if f"episodes/{f}" in r:  # logged since the success table's standard errors
+            fam["episodes"] = r[f"episodes/{f}"]
     return {"score": r["score"], "succ": r["succ"], "episodes": r["episodes"], "families": fams}

@@ -212,12 +212,12 @@ def test_an_arm_that_ties_the_reference_reaches_it():
 
 
 def test_the_committed_table_is_recomputed_from_the_committed_json_lines():
-    """docs/ablation holds the README's sweep: its table (in ablation.md and in the README) is what
+    """docs/ablation holds the demo page's sweep: its table (in ablation.md and docs/demo.md) is what
     the report computes from its results, from one warm start, and its figure exists."""
     root = os.path.join(ROOT, "docs", "ablation")
     records = ab.read_results(root)
     assert records and {r["warmstart"] for r in records} == {ab.fingerprint(os.path.join(root, "warmstart_run", "warmstart"))}
     table = ab._markdown(ab.table(records))
     assert open(os.path.join(root, "ablation.md")).read() == table
-    assert table in open(os.path.join(os.path.dirname(root), "..", "README.md")).read()
+    assert table in open(os.path.join(ROOT, "docs", "demo.md")).read()
     assert os.path.getsize(os.path.join(root, "ablation.png")) > 10_000

@@ -4,7 +4,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from cope_jax.learning import batching, methods, packing
+from cope_jax.learning import batching, methods, packing, segments
 from cope_jax.learning.advantages import forecast_weights
 from cope_jax.rollout.trajectory import ForecastExample, Trajectory
 
@@ -80,10 +80,10 @@ def test_forecasting_examples_of_one_episode_share_their_history():
     exs = [_example(0, history[:20], [7, 8, 9, 10]), _example(1, other[:12], [5, 6, 7]),
            _example(0, history[:12], [1, 2, 3]), _example(0, history[:28], [4, 5, 6, 7, 8])]
     # by prefix length, while the longest prefix + all branches fit: 20 + 3 + 4 = 27, then 28 + 5
-    assert batching.forecast_bundles(exs, 32) == [[2, 0], [3], [1]]
-    assert batching.forecast_bundles(exs, 40) == [[2, 0, 3], [1]]
+    assert segments.forecast_bundles(exs, 32) == [[2, 0], [3], [1]]
+    assert segments.forecast_bundles(exs, 40) == [[2, 0, 3], [1]]
     unshared = [dataclasses.replace(e, prefix_len=0) for e in exs]  # nothing shared: each alone
-    assert batching.forecast_bundles(unshared, 40) == [[0], [2], [3], [1]]
+    assert segments.forecast_bundles(unshared, 40) == [[0], [2], [3], [1]]
     cfg = methods.LossConfig(af_normalization="paper_exact")
     segs = batching.example_segments(exs, 2, ("af",), cfg, 40)
     tree = segs[0]

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import models
-from cope_jax.learning import batching, logprobs, methods, train_step
+from cope_jax.learning import advantages, batching, logprobs, methods, train_step
 from cope_jax.learning.advantages import forecast_weights
 from cope_jax.learning.packing import pad_micro
 from cope_jax.rollout.trajectory import ForecastExample, Trajectory
@@ -228,7 +228,7 @@ def test_step_equals_full_logits_reference(setup, name, overrides):
     spec = methods.get_method(name)
     cfg = dataclasses.replace(LOSS, **overrides)
     [(batch, terms, kept, ex_ids)] = _packed(spec, cfg, old, ref)
-    adv, _ = batching.compute_advantages(spec, TRAJS, cfg)
+    adv, _ = advantages.compute_advantages(spec, TRAJS, cfg)
     adv_seq = np.zeros(len(SEQS), np.float32)
     adv_seq[:len(TRAJS)] = adv
     coef = reference_coefficients(spec, cfg, kept, ex_ids)
@@ -353,7 +353,7 @@ def test_af_modes_joint_and_sequential(setup):
     lp0 = np.asarray(lp0)
     kept = [i for i, t in enumerate(TRAJS) if t.group_id in (0, 1)]
     ex_ids = [j for j, e in enumerate(EXAMPLES) if e.group_id in (0, 1)]
-    adv, _ = batching.compute_advantages(spec, TRAJS, LOSS)
+    adv, _ = advantages.compute_advantages(spec, TRAJS, LOSS)
     adv_seq = np.r_[adv, np.zeros(len(EXAMPLES))].astype(np.float32)
     coef = reference_coefficients(spec, LOSS, kept, ex_ids)
     want, _, _ = reference_loss_and_grads(params0, jnp.asarray(coef, jnp.float32), adv_seq, lp0, lp0)
@@ -560,7 +560,7 @@ def test_per_term_gradient_norms_equal_a_direct_computation(setup, others, monke
     assert len(passes) == (3 if others else 2)  # traced once: the total, then one per term not derived
     _, _, lp0 = reference_loss_and_grads(params, jnp.zeros((len(SEQS), 6)), jnp.zeros(len(SEQS)),
                                          jnp.zeros(TOKENS.shape), jnp.zeros(TOKENS.shape))
-    adv, _ = batching.compute_advantages(spec, TRAJS, cfg)
+    adv, _ = advantages.compute_advantages(spec, TRAJS, cfg)
     adv_seq = np.r_[adv, np.zeros(len(EXAMPLES))].astype(np.float32)
     coef = reference_coefficients(spec, cfg, list(range(len(TRAJS))), list(range(len(EXAMPLES))))
     norms = {}

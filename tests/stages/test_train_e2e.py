@@ -54,6 +54,12 @@ def test_every_method_trains_two_steps(method, tmp_path):
     report = json.load(open(out["json"]))
     assert report["checkpoint"] == 2 and report["results"]["checkpoint_2"]["episodes"] == 2
     assert os.path.getsize(out["plot"]) > 1000 and open(out["markdown"]).read().startswith("# Evaluation")
+    # every result, logged by training or just evaluated, counts its episodes per family (the
+    # success table's standard errors)
+    for result in report["results"].values():
+        assert sum(f["episodes"] for f in result["families"].values()) == result["episodes"], result
+    overall = [l for l in open(out["markdown"]).read().splitlines() if l.startswith("| overall |")]
+    assert len(overall) == 1 and overall[0].count(" ± ") == len(report["results"])
 
 
 def test_pool_gives_every_sampler_row_an_environment(tmp_path):
