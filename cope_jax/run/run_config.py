@@ -116,7 +116,7 @@ def sampler_rows(c: ml_collections.ConfigDict, hosts: int) -> int:
 
 
 # the project's own checkout: a run written here would mix its files into the source tree
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # cope_jax/run/ -> the checkout
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # of cope_jax/run/
 
 
 def check_workdir(workdir: str | None) -> str:
