@@ -3,8 +3,8 @@
 Evaluates a run's checkpoint (default: the newest; 0 = the policy RL started from, i.e. the warm
 start or the pretrained model) on a split: Score and Succ per sub-task family and overall, Avg@k
 over k samples per task. Writes DIR/eval.json, DIR/eval.md and DIR/learning_curves.png, next to the
-run's logged evaluations. Prints the summary as one JSON line, then test success per family across the run (right after
-the warm start, at each logged evaluation, and this checkpoint's).
+run's logged evaluations. Prints the summary as one JSON line, then test success per family across
+the run (right after the warm start, at each logged evaluation, and this checkpoint's).
 """
 from __future__ import annotations
 
