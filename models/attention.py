@@ -207,15 +207,11 @@ def dense(q, k, v, ids: MaskIds) -> jax.Array:
     product."""
     B, T, H, D = q.shape
     K = k.shape[2]
-    # heads to the front first (cheap: [T, H, D]), so each product is a batched matmul whose
-    # output is already [B, K, G, T, S]: with t before g, XLA:CPU transposed every score twice
-    qg = q.reshape(B, T, K, H // K, D).transpose(0, 2, 3, 1, 4)
-    kk, vv = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-    s = jnp.einsum("bkgtd,bksd->bkgts", qg, kk, preferred_element_type=jnp.float32) * (D ** -0.5)
+    qg = q.reshape(B, T, K, H // K, D)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (D ** -0.5)
     s = jnp.where(dense_mask(ids)[:, None, None], s, NEG_INF)
     probs = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bksd->bkgtd", probs, vv)
-    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(B, T, H, D)
 
 
 # -- blockwise -----------------------------------------------------------------------------------
