@@ -10,7 +10,7 @@ import sys
 
 from absl import flags
 
-from launch import cli
+from launch import cli, huge_pages
 
 SUITES = {
     "sampler": "launch.bench_sampler",
@@ -32,6 +32,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    huge_pages.reexec()  # before the suites' imports (cli.run would do it after them)
     # suites define their own absl flags at import time; import the chosen one before parsing
     for arg in sys.argv[1:]:
         if arg.startswith("--suite="):

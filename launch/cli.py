@@ -13,6 +13,8 @@ from typing import Callable
 
 from absl import app, flags, logging
 
+from launch import huge_pages
+
 flags.DEFINE_bool("verbose", False, "On a refused input, show the traceback behind the one-line error.")
 
 
@@ -24,7 +26,9 @@ def refusals() -> tuple[type[BaseException], ...]:
 
 
 def run(main: Callable[[list[str]], None]) -> None:
-    """`app.run(main)`, with refusals (flag errors included) as one line on stderr and exit status 1."""
+    """`app.run(main)`, with refusals (flag errors included) as one line on stderr and exit status 1.
+    First the process restarts itself once with huge pages for XLA's buffers (`launch.huge_pages`)."""
+    huge_pages.reexec()
     name = os.path.basename(sys.argv[0]).removesuffix(".py") if sys.argv and sys.argv[0] else "launch"
     verbose = "--verbose" in sys.argv[1:]
 

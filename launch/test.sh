@@ -6,4 +6,5 @@ source launch/venv.sh
 ensure_venv requirements-dev.txt
 ensure_gpu_compiler
 export JAX_PLATFORMS=cpu
+GLIBC_TUNABLES="$("$PY" -m launch.huge_pages)" && export GLIBC_TUNABLES  # see launch/huge_pages.py
 exec "$PY" -m pytest tests -q -n "${PYTEST_WORKERS:-2}" "$@"
