@@ -23,6 +23,9 @@ flags.DEFINE_string("split", None, "Task split (default: the config's eval split
 flags.DEFINE_integer("samples", None, "Samples per task (Avg@k).", lower_bound=1)
 flags.DEFINE_integer("tasks", None, "Evaluate N tasks of the split, taken in turn from each sub-task family.",
                      lower_bound=1)
+flags.DEFINE_bool("reevaluate", False, "Play the episodes again even when training already evaluated this "
+                  "checkpoint with the config's settings (by default its logged result is reported: the same "
+                  "key gives the same episodes).")
 flags.DEFINE_bool("progress", True, "Show the console progress bar.")
 flags.mark_flags_as_required(["config", "workdir"])
 cli.define_multihost_flags()
@@ -34,7 +37,8 @@ def main(argv):
     from cope_jax.stages.runs import eval_run
 
     out = eval_run(FLAGS.config, FLAGS.workdir, checkpoint=FLAGS.checkpoint, split=FLAGS.split,
-                   samples=FLAGS.samples, tasks=FLAGS.tasks, progress=FLAGS.progress)
+                   samples=FLAGS.samples, tasks=FLAGS.tasks, progress=FLAGS.progress,
+                   reevaluate=FLAGS.reevaluate)
     print(json.dumps(out))
     if "json" in out:  # process 0
         from cope_jax.run.metrics import success_screen

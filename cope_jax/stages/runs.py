@@ -33,10 +33,17 @@ def train_run(config, workdir: str, *, progress: bool = True, resume: str = "lat
 
 
 def eval_run(config, workdir: str, *, checkpoint: int | None = None, split: str | None = None,
-             samples: int | None = None, tasks: int | None = None, progress: bool = False) -> dict[str, Any]:
+             samples: int | None = None, tasks: int | None = None, progress: bool = False,
+             reevaluate: bool = False) -> dict[str, Any]:
     """Evaluates one checkpoint of a run (default: the newest; 0: the starting policy) and writes
     eval.json, eval.md and learning_curves.png next to the run's logged evaluations. Never trains:
-    a run without checkpoints (or, for 0, without its finished warm start) is refused."""
+    a run without checkpoints (or, for 0, without its finished warm start) is refused.
+
+    When training already evaluated that checkpoint with the config's settings (split, samples and
+    tasks not overridden), its logged result is reported instead of playing the same episodes again:
+    the evaluation's key is a function of the seed and the step, so a second run of it returns the
+    same episodes. `reevaluate` plays them anyway (and reads the checkpoint)."""
+    import jax
     from flax import nnx
 
     from cope_jax.run.build import build
@@ -58,6 +65,10 @@ def eval_run(config, workdir: str, *, checkpoint: int | None = None, split: str 
     if not step and config.warmstart.steps > 0 and not os.path.isdir(os.path.join(workdir, WARMSTART_DIR)):
         raise FileNotFoundError(f"{workdir} has no finished warm start ({WARMSTART_DIR}/), so no starting policy "
                                 "to evaluate; run launch.train first")
+    logged = metrics_lib.latest_records(metrics_lib.read_log(workdir), "eval")
+    if not reevaluate and step in logged and _config_evaluation(config, split, samples, tasks):
+        summary = _from_record(logged[step]) | {k: logged[step][k] for k in ("split", "samples")}
+        return _report(config, workdir, step, summary, logged, is_main=jax.process_index() == 0)
     parts = build(config, workdir)
     try:
         ckpt = TrainCheckpointer(ckpt_dir)
@@ -70,15 +81,26 @@ def eval_run(config, workdir: str, *, checkpoint: int | None = None, split: str 
         summary = evaluate(parts, step, split=split, samples=samples, tasks=tasks, name="eval_binary",
                            progress=progress)
         logged = metrics_lib.latest_records(metrics_lib.read_log(parts.workdir), "eval")
-        results = {f"step_{s}": _from_record(r) for s, r in sorted(logged.items())}
-        results[f"checkpoint_{step}"] = summary
-        meta = {"config": config.env.family + ":" + config.method, "checkpoint": step,
-                "split": summary["split"], "samples": summary["samples"]}
-        paths = metrics_lib.write_eval_report(parts.workdir, results, meta) if parts.is_main else {}
-        return {"checkpoint": step, "succ": summary["succ"], "score": summary["score"],
-                "episodes": summary["episodes"], **paths}
+        return _report(config, parts.workdir, step, summary, logged, is_main=parts.is_main)
     finally:
         parts.close()
+
+
+def _config_evaluation(config, split, samples, tasks) -> bool:
+    """The asked evaluation is the one training runs (`stages/evaluate.py: evaluate`'s defaults)."""
+    return (split in (None, config.env.eval_split) and samples in (None, config.eval.samples)
+            and tasks in (None, config.eval.tasks))
+
+
+def _report(config, workdir: str, step: int, summary: dict, logged: dict, *, is_main: bool) -> dict[str, Any]:
+    """Writes the report (process 0): the run's logged evaluations, then this checkpoint's."""
+    results = {f"step_{s}": _from_record(r) for s, r in sorted(logged.items())}
+    results[f"checkpoint_{step}"] = summary
+    meta = {"config": config.env.family + ":" + config.method, "checkpoint": step,
+            "split": summary["split"], "samples": summary["samples"]}
+    paths = metrics_lib.write_eval_report(workdir, results, meta) if is_main else {}
+    return {"checkpoint": step, "succ": summary["succ"], "score": summary["score"],
+            "episodes": summary["episodes"], **paths}
 
 
 def _from_record(r: dict) -> dict:

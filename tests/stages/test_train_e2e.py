@@ -60,6 +60,15 @@ def test_every_method_trains_two_steps(method, tmp_path):
         assert sum(f["episodes"] for f in result["families"].values()) == result["episodes"], result
     overall = [l for l in open(out["markdown"]).read().splitlines() if l.startswith("| overall |")]
     assert len(overall) == 1 and overall[0].count(" ± ") == len(report["results"])
+    if method == "cope":
+        # the report above reused training's evaluation of checkpoint 2; playing it again (after
+        # reading the checkpoint) gives the same result, family by family
+        logged = [r for r in map(json.loads, open(os.path.join(workdir, "metrics.jsonl"))) if r["kind"] != "train"]
+        assert not any(r["kind"] == "eval_binary" for r in logged)
+        again = json.load(open(eval_run(c, workdir, reevaluate=True)["json"]))["results"]["checkpoint_2"]
+        reused = report["results"]["checkpoint_2"]
+        assert {k: again[k] for k in ("succ", "score", "episodes")} == {k: reused[k] for k in ("succ", "score", "episodes")}
+        assert {f: v["succ"] for f, v in again["families"].items()} == {f: v["succ"] for f, v in reused["families"].items()}
 
 
 def test_pool_gives_every_sampler_row_an_environment(tmp_path):
