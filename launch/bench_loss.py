@@ -17,6 +17,12 @@ JSON lines:
   separate old-log-prob pass (`old_logp_pass`) and without it (`on_policy`: one mini-batch, old =
   current inside the step), then a `ratio` line (on_policy / old_logp_pass time); at the token
   counts of --loss_time_step_tokens.
+- peer_step: the batch of the comparison with Tunix (issue 34): 8 sequences of 64 prompt + 128
+  completion tokens, one per row, one micro-batch; pg (clip 0.2) + kl (0.04), seq-mean-token-mean;
+  old and reference log-probs carried by the batch (computed outside the timed call); clipping 1.0
+  + AdamW. Two lines, `grads` (loss and gradients) and `step` (+ clipping and AdamW), each with the
+  FLOP bound of this host measured right before it (`bound_seconds` = model FLOPs / matmul peak,
+  `of_bound` = bound / measured). No remat (the batch's activations fit), the config's chunked head.
 Time, tokens/s and MFU are measured (best of --loss_repeats, after a warm-up call unless
 --noloss_warmup) where the compiled
 peak fits in --loss_max_run_gb of host/device memory and, for the whole step, where the token count
@@ -42,7 +48,8 @@ flags.DEFINE_enum("loss_dtype", "float32", ["float32", "bfloat16"], "Compute and
 flags.DEFINE_integer("loss_repeats", 1, "Timed repeats; the best is reported.")
 flags.DEFINE_bool("loss_warmup", True, "One untimed call before the timed ones (compiles are always "
                   "excluded: executables are compiled ahead of time).")
-flags.DEFINE_list("loss_parts", ["logits", "step", "grpo"], "What to measure: logits, step, grpo.")
+flags.DEFINE_list("loss_parts", ["logits", "step", "grpo", "peer"], "What to measure: logits, step, grpo, "
+                  "peer.")
 flags.DEFINE_list("loss_variants", ["chunked", "full"], "Logits variants: chunked, full.")
 flags.DEFINE_list("loss_time_step_tokens", ["4096"], "Token counts at which the whole step is timed "
                   "(memory is reported at all of them); 'all' for every --loss_tokens.")
@@ -274,6 +281,66 @@ def bench_grpo(cfg, batch, tokens: int, max_bytes: float) -> None:
     gc.collect()
 
 
+PEER = dict(sequences=8, prompt=64, completion=128, kl_coef=0.04)
+
+
+def peer_batch(vocab: int, seed: int = 0):
+    """The peer comparison's batch: one micro-batch [1, 8, 192], loss weights of pg and kl."""
+    from cope_jax.learning import batching, methods
+
+    rng = np.random.RandomState(seed)
+    n, length = PEER["sequences"], PEER["prompt"] + PEER["completion"]
+    ids = [rng.randint(0, vocab, length) for _ in range(n)]
+    actions = [np.arange(length) >= PEER["prompt"] for _ in ids]
+    cfg = methods.LossConfig(kl_coef=PEER["kl_coef"])
+    segs = batching.sequence_segments(ids, actions, rng.choice([-1.0, 1.0], n), ("pg", "kl"), cfg, length)
+    for s in segs:
+        s.old_logp = -np.abs(rng.randn(length)).astype(np.float32)
+        s.ref_logp = s.old_logp + 0.1 * rng.randn(length).astype(np.float32)
+    batch, _ = batching.pack_minibatch(segs, ("pg", "kl"), length, rows_per_micro=n)
+    return batch, cfg
+
+
+def bench_peer(cfg) -> None:
+    """`peer_step` lines (module docstring): loss + gradients, then the whole step."""
+    import dataclasses
+
+    import jax
+    from flax import nnx
+
+    import models
+    from cope_jax.learning import train_step
+
+    cfg = dataclasses.replace(cfg, remat="none")
+    batch, loss_cfg = peer_batch(cfg.vocab_size)
+    placed = train_step.place_batch(batch)
+    tokens = int(batch.tokens.size)
+    flops, _ = model_flops(cfg, tokens, batch.tokens.shape[-1])
+    learner = train_step.Learner(models.create_model(cfg, seed=0), loss_cfg)
+    coefs = train_step._coefficients(batch, loss_cfg)
+    graphdef, params = nnx.split(learner.model, nnx.Param)
+
+    @jax.jit
+    def grads(params, batch, coefs):
+        return train_step.loss_and_grads(nnx.merge(graphdef, params), batch, loss_cfg, coefs)[:2]
+
+    state = nnx.state((learner.model, learner.optimizer))
+    step = learner.step_program().lower(state, placed, coefs).compile()
+
+    def one_step():
+        nonlocal state
+        state, metrics = step(state, placed, coefs)  # donates and replaces the state
+        jax.block_until_ready(metrics)
+
+    shape = dict(sequences=PEER["sequences"], prompt=PEER["prompt"], completion=PEER["completion"],
+                 tokens=tokens, layers=cfg.num_layers, dtype=cfg.dtype, chunk_tokens=loss_cfg.logits_chunk_tokens)
+    for part, fn in (("grads", lambda: jax.block_until_ready(grads(params, placed, coefs))), ("step", one_step)):
+        line = _timed(fn, flops, tokens)
+        bound = flops / (line["peak_tflops"] * 1e12)
+        _emit(bench="loss", kind="peer_step", part=part, **shape, model_tflop=round(flops / 1e12, 4), **line,
+              bound_seconds=round(bound, 3), of_bound=round(bound / line["seconds"], 4))
+
+
 def run(argv: list[str]) -> None:
     del argv
     import jax
@@ -281,7 +348,9 @@ def run(argv: list[str]) -> None:
     cfg = model_config(FLAGS.loss_layers, FLAGS.loss_dtype)
     max_bytes = _max_run_bytes()
     timed = FLAGS.loss_time_step_tokens
-    for tokens in (int(t) for t in FLAGS.loss_tokens):
+    if "peer" in FLAGS.loss_parts:
+        bench_peer(cfg)
+    for tokens in (int(t) for t in FLAGS.loss_tokens if {"logits", "step", "grpo"} & set(FLAGS.loss_parts)):
         batch = packed_batch(tokens, FLAGS.loss_row_len, cfg.vocab_size)
         tokens = batch.tokens.size  # whole rows
         if "logits" in FLAGS.loss_parts:
