@@ -306,6 +306,7 @@ def bench_peer(cfg) -> None:
     import dataclasses
 
     import jax
+    import jax.numpy as jnp
     from flax import nnx
 
     import models
@@ -317,7 +318,7 @@ def bench_peer(cfg) -> None:
     tokens = int(batch.tokens.size)
     flops, _ = model_flops(cfg, tokens, batch.tokens.shape[-1])
     learner = train_step.Learner(models.create_model(cfg, seed=0), loss_cfg)
-    coefs = train_step._coefficients(batch, loss_cfg)
+    coefs = {t: jnp.float32(c) for t, c in loss_cfg.coefficients(batch.weights).items()}
     graphdef, params = nnx.split(learner.model, nnx.Param)
 
     @jax.jit

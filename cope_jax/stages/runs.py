@@ -46,6 +46,7 @@ def eval_run(config, workdir: str, *, checkpoint: int | None = None, split: str 
     import jax
     from flax import nnx
 
+    from cope_jax.run import distributed
     from cope_jax.run.build import build
     from cope_jax.run.checkpoint import TrainCheckpointer
     from cope_jax.stages.evaluate import evaluate
@@ -66,8 +67,11 @@ def eval_run(config, workdir: str, *, checkpoint: int | None = None, split: str 
         raise FileNotFoundError(f"{workdir} has no finished warm start ({WARMSTART_DIR}/), so no starting policy "
                                 "to evaluate; run launch.train first")
     logged = metrics_lib.latest_records(metrics_lib.read_log(workdir), "eval")
-    if not reevaluate and step in logged and _config_evaluation(config, split, samples, tasks):
-        summary = _from_record(logged[step]) | {k: logged[step][k] for k in ("split", "samples")}
+    # process 0's log decides, as for training's evaluations: every process takes the same path
+    reused = distributed.broadcast_object(
+        logged.get(step) if not reevaluate and _config_evaluation(config, split, samples, tasks) else None)
+    if reused is not None:
+        summary = _from_record(reused) | {k: reused[k] for k in ("split", "samples")}
         return _report(config, workdir, step, summary, logged, is_main=jax.process_index() == 0)
     parts = build(config, workdir)
     try:
@@ -80,7 +84,6 @@ def eval_run(config, workdir: str, *, checkpoint: int | None = None, split: str 
         ckpt.close()
         summary = evaluate(parts, step, split=split, samples=samples, tasks=tasks, name="eval_binary",
                            progress=progress)
-        logged = metrics_lib.latest_records(metrics_lib.read_log(parts.workdir), "eval")
         return _report(config, parts.workdir, step, summary, logged, is_main=parts.is_main)
     finally:
         parts.close()
