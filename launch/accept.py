@@ -1,14 +1,15 @@
-"""python -m launch.accept: this machine's accelerator (or CPU) measured beside what the compiler predicts.
+"""python -m launch.accept: this machine's accelerator (or CPU) measured beside what it should take.
 
 One command for a borrowed accelerator: it detects the backend, runs each section at the sizes the
 backend takes (`--size=auto`: full on TPU / GPU, tiny on CPU, where it is part of the test suite so
-it never rots) and writes `<out>/accept.jsonl` (one line per check) and `<out>/accept.md` (the table:
+it never rots) and writes `<out>/accept.jsonl` (one line per check, written as it is measured, so a
+run cut short keeps what it measured) and `<out>/accept.md` (the table:
 measured, predicted, ratio). It exits 0 even when a check falls short: the table says which.
 
 Sections (`--sections`):
 - attention (`launch/accept_attention.py`): every implementation the backend runs, on packed rows
   with segments and a forecasting tree: outputs and gradients against the reference, forward and
-  forward+backward seconds against the compiler's roofline for this device, peak memory against the
+  forward+backward seconds against the roofline of the work the row needs, peak memory against the
   compiler's.
 - sampler (`launch/accept_sampler.py`): decode steps at batch 1, 8 and 64 and prefill of a random bf16
   model against the bytes / FLOPs they must move over the bandwidth / FLOP/s measured in the run.
@@ -21,9 +22,11 @@ Sections (`--sections`):
 `--topology=T` adds the train step planned for a `launch.plan` target (section `plan`): predicted
 rows only, unless this machine is that chip (then the train section is its measurement).
 
-A prediction comes from the compiler of the program that runs (its cost and memory analyses) and
-the device's public peak FLOP/s and HBM bandwidth (`cope_jax/plan/targets.py`); where the device
-is not in that table (CPU) the time has no prediction and says so. A measurement comes only from
+A predicted peak is the compiler's memory analysis of the program that runs. A predicted time is the
+roofline of analytical counts (FLOPs, bytes) on the device's public peak FLOP/s and HBM bandwidth
+(`cope_jax/plan/targets.py`), never the compiler's cost analysis, which counts a loop body once and
+a kernel as nothing (`accept_device.roofline_s`); where the device is not in that table (CPU) the
+time has no prediction and says so. A measurement comes only from
 running: a program this backend cannot run is not in the table.
 """
 from __future__ import annotations
@@ -31,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterable
 
 from absl import flags
 
@@ -61,6 +65,16 @@ def device_summary() -> dict:
                 chip=None if chip is None else chip.kind)
 
 
+def _logged(log, checks: Iterable[Check]) -> list[Check]:
+    """Each check written (and flushed) the moment its section yields it."""
+    done = []
+    for c in checks:
+        log.write(json.dumps(c.record()) + "\n")
+        log.flush()
+        done.append(c)
+    return done
+
+
 def main(argv):
     del argv
     import jax
@@ -81,17 +95,16 @@ def main(argv):
     checks: list[Check] = []
     summary = dict(device_summary(), size=size)
     seconds = {}
-    for section in (s for s in SECTIONS if s in FLAGS.sections):
-        start = time.perf_counter()
-        checks += runners[section](size=size, repeats=FLAGS.repeats)
-        seconds[section] = round(time.perf_counter() - start, 1)
-    summary["seconds"] = seconds  # the 8-minute budget of a borrowed accelerator, per section
-    if FLAGS.topology:
-        checks += accept_train.planned(size=size, topology=FLAGS.topology)
-    with open(os.path.join(FLAGS.out, "accept.jsonl"), "w") as f:
-        f.write(json.dumps(dict(summary=True, **summary)) + "\n")
-        for c in checks:
-            f.write(json.dumps(c.record()) + "\n")
+    # one line per check as it finishes: a run cut short by a borrowed machine's limit keeps what it measured
+    with open(os.path.join(FLAGS.out, "accept.jsonl"), "w") as log:
+        log.write(json.dumps(dict(summary=True, **summary)) + "\n")
+        for section in (s for s in SECTIONS if s in FLAGS.sections):
+            start = time.perf_counter()
+            checks += _logged(log, runners[section](size=size, repeats=FLAGS.repeats))
+            seconds[section] = round(time.perf_counter() - start, 1)
+            print(f"accept: {section} done in {seconds[section]:.0f} s", flush=True)
+        if FLAGS.topology:
+            checks += _logged(log, accept_train.planned(size=size, topology=FLAGS.topology))
     header = (f"# launch.accept: {summary['device_kind']} x {summary['devices']} ({summary['backend']}), "
               f"size {size}, {sum(seconds.values()):.0f} s ("
               + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items()) + ")")

@@ -4,10 +4,13 @@ bf16, GQA.
 
 Per (length, implementation): the output's and the gradients' largest error relative to the
 reference (dense where its compiled peak fits, else blockwise), forward and forward+backward seconds
-(best of N) against the compiler's roofline on this device, and the device allocator's peak against
+(best of N) against the roofline of the work the row needs on this device (`_needed`: the visible
+query-key pairs' matmuls, the call's inputs and outputs once; dense does more, by design), and the device allocator's peak against
 the compiler's layout of the call (TPU / GPU; the CPU client keeps no statistics).
 """
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 from launch import accept_device
 from launch.accept_report import Check
@@ -21,26 +24,25 @@ TIME_WITHIN = 2.0  # a kernel within twice the roofline is doing its job at thes
 MEMORY_WITHIN = 1.25
 
 
-def run(*, size: str, repeats: int) -> list[Check]:
+def run(*, size: str, repeats: int) -> Iterator[Check]:
     import jax
 
     shape = SIZES[size]
-    checks = []
     for T in shape["tokens"]:
-        checks += _length(T, shape, implementations(jax.default_backend()), repeats)
+        yield from _length(T, shape, implementations(jax.default_backend()), repeats)
         if jax.default_backend() == "gpu":
-            checks += _cudnn(T, shape, repeats)
-    return checks
+            yield from _cudnn(T, shape, repeats)
 
 
 def _length(T: int, shape: dict, impls, repeats: int) -> list[Check]:
     ids = packed_ids(T)
+    needed = _needed(ids, T, shape)
     programs = {impl: _programs(_ours(impl, ids), T, shape) for impl in impls}
     runnable = {impl: p for impl, p in programs.items() if accept_device.compiled_peak_bytes(p[1][0]) < _budget()}
     reference = "dense" if "dense" in runnable else "blockwise"
     checks = [Check("attention", f"{impl} {T} tokens", "", None, note="its compiled peak does not fit: not run")
               for impl in programs if impl not in runnable]
-    results = {impl: _run(f"{impl} {T} tokens", *p, repeats) for impl, p in runnable.items()}
+    results = {impl: _run(f"{impl} {T} tokens", *p, repeats, needed) for impl, p in runnable.items()}
     for impl in results:
         if impl != reference:
             checks.append(_agreement(f"{impl} {T} tokens", results[impl][0], results[reference][0], reference))
@@ -62,8 +64,9 @@ def _cudnn(T: int, shape: dict, repeats: int) -> list[Check]:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
     name = f"{T} tokens, one causal segment"
-    theirs = _run(f"cudnn {name}", *_programs(cudnn, T, shape), repeats)
-    ours = _run(f"pallas {name}", *_programs(_ours("pallas", ids), T, shape), repeats)
+    needed = _needed(ids, T, shape)
+    theirs = _run(f"cudnn {name}", *_programs(cudnn, T, shape), repeats, needed)
+    ours = _run(f"pallas {name}", *_programs(_ours("pallas", ids), T, shape), repeats, needed)
     return [_agreement(f"pallas {name}", ours[0], theirs[0], "cudnn"), *theirs[1], *ours[1]]
 
 
@@ -100,7 +103,24 @@ def _programs(forward, T: int, shape: dict):
     return (fwd, args), (grad, args)
 
 
-def _run(name: str, fwd, grad, repeats: int):
+def _needed(ids, T: int, shape: dict) -> dict:
+    """what -> (FLOPs, bytes) the row's attention cannot avoid: 4 FLOPs per visible (query, key) pair
+    and head-dim in the forward (scores, values), 8 more in the backward (dV, dP, dQ, dK); bf16 q, k,
+    v read and the output (forward) or the three gradients (forward+backward) written once."""
+    import numpy as np
+
+    from models import attention as attn
+
+    pairs = 0
+    for lo in range(0, T, 2048):  # [2048, T] blocks of the mask: a whole one at 32k tokens is 1 GiB
+        rows = tuple(a[:, lo:lo + 2048] for a in ids.queries())
+        pairs += int(np.asarray(attn.allowed(rows, ids.keys())).sum())
+    H, K, D = shape["heads"], shape["kv_heads"], shape["head_dim"]
+    qkv = 2 * T * (H + 2 * K) * D
+    return {"forward": (4 * pairs * H * D, qkv + 2 * T * H * D), "forward+backward": (12 * pairs * H * D, 2 * qkv)}
+
+
+def _run(name: str, fwd, grad, repeats: int, needed: dict):
     """((output, gradients), timing and memory checks named `name`)."""
     (f, args), (g, _) = fwd, grad
     before = accept_device.peak_bytes_in_use()
@@ -110,7 +130,7 @@ def _run(name: str, fwd, grad, repeats: int):
     checks = []
     for what, compiled in (("forward", f), ("forward+backward", g)):
         seconds = accept_device.best_seconds(lambda: compiled(*args), repeats)
-        predicted = accept_device.roofline_s(compiled)
+        predicted = accept_device.roofline_s(*needed[what])
         checks.append(Check("attention", f"{name} {what}", "s", seconds, predicted,
                             within=None if predicted is None else TIME_WITHIN,
                             note="" if predicted is not None else "no roofline: this device has no public figures"))

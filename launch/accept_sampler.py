@@ -9,6 +9,8 @@ full size: Qwen2.5-7B's shape), beside the bounds measured in the same run.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
 from launch import accept_device
@@ -22,18 +24,17 @@ SIZES = {"tiny": (dict(family="qwen2", vocab_size=512, hidden_size=128, intermed
 WITHIN = 2.0  # a decode step within twice the bytes bound, a prefill within twice the FLOPs bound
 
 
-def run(*, size: str, repeats: int) -> list[Check]:
+def run(*, size: str, repeats: int) -> Iterator[Check]:
     cfg = _model_config(size)
     shape, batches, window, steps, bound_bytes = SIZES[size]
     bandwidth, flops = _bandwidth(bound_bytes, repeats), _matmul_flops(size, repeats)
     model = _model(cfg)
     name = shape if isinstance(shape, str) else f"{cfg.num_layers}-layer {cfg.hidden_size}-wide"
-    checks = [Check("sampler", "HBM bandwidth bound (on-device reduction)", "B/s", bandwidth,
-                    note="measured in this run: the bounds below use it"),
-              Check("sampler", "FLOP/s bound (bf16 matmul)", "FLOP/s", flops, note="measured in this run")]
+    yield Check("sampler", "HBM bandwidth bound (on-device reduction)", "B/s", bandwidth,
+                note="measured in this run: the bounds below use it")
+    yield Check("sampler", "FLOP/s bound (bf16 matmul)", "FLOP/s", flops, note="measured in this run")
     for batch in batches:
-        checks += _batch(model, cfg, name, batch, window, steps, bandwidth, flops, repeats)
-    return checks
+        yield from _batch(model, cfg, name, batch, window, steps, bandwidth, flops, repeats)
 
 
 def _model_config(size: str):

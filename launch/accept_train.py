@@ -2,8 +2,8 @@
 measured beside the planner's prediction of the same program on the same devices, in the same run.
 
 The program is the planner's own (`cope_jax/plan/programs.py: run_programs` on `jax.devices()`): its
-compiled layout (new outputs + temporaries) is the predicted peak, its cost analysis on this device's
-public figures the predicted time; the measured peak is the device allocator's (TPU / GPU) or, on
+compiled layout (new outputs + temporaries) is the predicted peak, its analytical FLOPs on this
+device's public figures the predicted time; the measured peak is the device allocator's (TPU / GPU) or, on
 CPU, the process's resident memory sampled every millisecond during the step, over its level before.
 Model FLOPs utilization: the planner's analytical FLOPs over the measured time and the peak.
 """
@@ -40,7 +40,7 @@ def run(*, size: str, repeats: int) -> list[Check]:
         state, metrics = step(state)
         jax.block_until_ready(metrics)
         best = min(best, time.perf_counter() - t)
-    predicted = accept_device.roofline_s(compiled)
+    predicted = accept_device.roofline_s(program.analytic_flops, program.must_bytes or 0.0)
     chip = accept_device.chip()
     shape = f"{program.shape}, {cfg.num_layers} layers of {cfg.hidden_size}"
     time_note = "" if predicted is not None else "no roofline: this device has no public figures"
