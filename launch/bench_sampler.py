@@ -8,11 +8,17 @@ Measured per implementation, best of --sampler_repeats rounds that alternate bet
 implementations (a first round, which compiles, is discarded):
 - prefill_s: prompt in, first new token out (our `start` + a 1-token `generate`; transformers
   `generate(max_new_tokens=1)`).
-- decode_tok_s: batch * (N - 1) / (time for N new tokens - time for 1).
-Lines are JSON; each config/batch ends with a `ratio` line (ours / transformers for tokens/s,
-transformers / ours for prefill time), the fraction of greedy tokens on which both agree, torch's
-intra-op thread count and the CPUs XLA's thread pool spans (both use every core by default), and
-the 1-minute load average (the machine may be shared).
+- decode_tok_s: batch * (N - 1) / (time for N new tokens - time for 1); null where the difference
+  is not positive (too few tokens for this machine's timing noise: raise --sampler_new_tokens).
+Lines are JSON; each config/batch ends with a `ratio` line: ours / transformers for tokens/s and
+transformers / ours for prefill time; this host's decode bound, `bound_tok_s` = batch / max(weight
+bytes / read bandwidth, 2 x parameters x batch / matmul FLOP/s) (every step reads every weight once,
+the tied embedding as the head), from the best of the limits measured right before and right after
+the timed rounds (`read_gb_s`: a jitted float32 sum over an array of the weights' size, 256 MiB at
+least so it reads memory, not the caches; `matmul_gflops`: bench_loss's square matmul), and our
+share of it (`of_bound`); the fraction of greedy tokens on which both agree, torch's intra-op
+thread count and the CPUs XLA's thread pool spans (both use every core by default), and the
+1-minute load average (the machine may be shared).
 """
 from __future__ import annotations
 
@@ -91,6 +97,41 @@ def _transformers(torch_model, prompts: np.ndarray, new_tokens: int, out: dict) 
     return {n: run(n) for n in (1, new_tokens)}
 
 
+def _limits(weight_bytes: int) -> tuple[float, float]:
+    """(read bytes/s, float32 matmul FLOP/s) of this host now, each the best of 5."""
+    import jax
+    import jax.numpy as jnp
+
+    from launch.bench_loss import matmul_peak
+
+    nbytes = max(weight_bytes, 1 << 28)  # memory's bandwidth, not the caches' (tiny weights fit those)
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    total = jax.jit(lambda a: jnp.sum(a))
+    total(x).block_until_ready()
+    seconds = []
+    for _ in range(5):
+        t = time.perf_counter()
+        total(x).block_until_ready()
+        seconds.append(time.perf_counter() - t)
+    return nbytes / min(seconds), matmul_peak("float32", emit=False)
+
+
+def _bound(limits: list[tuple[float, float]], weight_bytes: int, params: int, batch: int) -> dict:
+    """This host's decode bound for one step at `batch` rows (module docstring) from the best of
+    the limits measured before and after the timed rounds (a busy moment only lowers them)."""
+    bandwidth, flops = max(b for b, _ in limits), max(f for _, f in limits)
+    step = max(weight_bytes / bandwidth, 2 * params * batch / flops)
+    return dict(bound_tok_s=batch / step, read_gb_s=round(bandwidth / 1e9, 1), matmul_gflops=round(flops / 1e9, 1))
+
+
+def _round(x: float | None, digits: int) -> float | None:
+    return None if x is None else round(x, digits)
+
+
+def _ratio(a: float | None, b: float | None, digits: int) -> float | None:
+    return None if a is None or b is None else round(a / b, digits)
+
+
 def _line(**kw) -> None:
     print(json.dumps({"suite": "sampler", **kw}), flush=True)
 
@@ -117,18 +158,24 @@ def run(argv: list[str]) -> None:
                 outs = {"cope_jax": {}, "transformers": {}}
                 runs = {"cope_jax": _ours(directory, prompts, new_tokens, outs["cope_jax"]),
                         "transformers": _transformers(torch_model, prompts, new_tokens, outs["transformers"])}
+                params = sum(p.numel() for p in torch_model.parameters())  # tied: the embedding once
+                before = _limits(4 * params)
                 best = _best_interleaved({(impl, n): fn for impl, fns in runs.items() for n, fn in fns.items()},
                                          FLAGS.sampler_repeats)
+                bound = _bound([before, _limits(4 * params)], 4 * params, params, batch)
                 stats = {}
                 for impl in runs:
                     t1, tn = best[impl, 1], best[impl, new_tokens]
-                    stats[impl] = dict(prefill_s=t1, decode_tok_s=batch * (new_tokens - 1) / max(tn - t1, 1e-9))
+                    stats[impl] = dict(prefill_s=t1, decode_tok_s=batch * (new_tokens - 1) / (tn - t1) if tn > t1 else None)
                     _line(config=name, batch=batch, impl=impl, prompt_len=FLAGS.sampler_prompt_len,
-                          new_tokens=new_tokens, dtype="float32", **{k: round(v, 4) for k, v in stats[impl].items()})
+                          new_tokens=new_tokens, dtype="float32", **{k: _round(v, 4) for k, v in stats[impl].items()})
                 ours, ref = stats["cope_jax"], stats["transformers"]
                 _line(config=name, batch=batch, impl="ratio",
-                      decode_speedup=round(ours["decode_tok_s"] / ref["decode_tok_s"], 2),
+                      decode_speedup=_ratio(ours["decode_tok_s"], ref["decode_tok_s"], 2),
                       prefill_speedup=round(ref["prefill_s"] / ours["prefill_s"], 2),
+                      bound_tok_s=round(bound["bound_tok_s"], 1),
+                      of_bound=_ratio(ours["decode_tok_s"], bound["bound_tok_s"], 3),
+                      read_gb_s=bound["read_gb_s"], matmul_gflops=bound["matmul_gflops"],
                       greedy_tokens_agree=round(float(np.mean(outs["cope_jax"][new_tokens] ==
                                                                outs["transformers"][new_tokens])), 3),
                       torch_threads=torch.get_num_threads(), cpus=os.cpu_count(), load=round(os.getloadavg()[0], 2))
