@@ -102,18 +102,13 @@ def _limits(weight_bytes: int) -> tuple[float, float]:
     import jax
     import jax.numpy as jnp
 
+    from launch.accept_device import best_seconds
     from launch.bench_loss import matmul_peak
 
     nbytes = max(weight_bytes, 1 << 28)  # memory's bandwidth, not the caches' (tiny weights fit those)
     x = jnp.ones((nbytes // 4,), jnp.float32)
-    total = jax.jit(lambda a: jnp.sum(a))
-    total(x).block_until_ready()
-    seconds = []
-    for _ in range(5):
-        t = time.perf_counter()
-        total(x).block_until_ready()
-        seconds.append(time.perf_counter() - t)
-    return nbytes / min(seconds), matmul_peak("float32", emit=False)
+    total = jax.jit(jnp.sum)
+    return nbytes / best_seconds(lambda: total(x), 5), matmul_peak("float32", emit=False)
 
 
 def _bound(limits: list[tuple[float, float]], weight_bytes: int, params: int, batch: int) -> dict:

@@ -21,6 +21,7 @@ def test_the_cpu_run_reports_every_section_measured_beside_predicted(tmp_path):
     assert summary["backend"] == "cpu" and summary["size"] == "tiny" and summary["chip"] is None
     from launch.accept import SECTIONS
     assert {c["section"] for c in checks} == set(SECTIONS)
+    assert set(summary["seconds"]) == set(SECTIONS)  # a complete run's summary gives each section's seconds
     # attention: both implementations timed at both lengths, blockwise checked against dense
     timed = {(c["name"].split()[0], c["name"].split()[1]) for c in checks
              if c["section"] == "attention" and c["unit"] == "s"}
