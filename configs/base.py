@@ -7,6 +7,7 @@ line (`--config.train.learning_rate=3e-6`).
 from __future__ import annotations
 
 import ml_collections
+from ml_collections import config_dict
 
 METHODS = ("grpo", "cope", "cope_k0", "sft_success", "echo", "rft", "progpo", "cope+progpo")
 
@@ -82,6 +83,13 @@ def base_config(method: str = "cope") -> ml_collections.ConfigDict:
         # minus the others), e.g. ("pg", "af") for the policy and forecasting terms' balance; it
         # raises the train step's memory (docs/training.md: +5 GiB per chip for a 7B model on v4-32)
         grad_norm_terms=(),
+        # low-rank adapters (models/lora.py): rank unset = full fine-tuning. rank >= 1 freezes the base
+        # weights in model.dtype and trains only adapters on `targets` (alpha 0: alpha = rank, so the
+        # update's scale alpha / rank is 1), for the warm start and RL alike; the KL reference is the
+        # base (the adapters off). LoRA usually wants a learning rate ~10x full fine-tuning's
+        lora=ml_collections.ConfigDict(dict(
+            rank=config_dict.placeholder(int), alpha=0.0, dropout=0.0,
+            targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))),
     ))
     # optional supervised warm start on expert demonstrations (the demo uses it); af_examples:
     # forecasting examples (SPEC 3 format, from the demonstrations) joining each step, 0 = off;

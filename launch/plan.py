@@ -49,12 +49,12 @@ def _model(c):
     from models import QwenConfig, presets
 
     execution = run_config.execution(c)
-    if FLAGS.model:
-        return presets.preset_config(FLAGS.model, **execution), FLAGS.model
+    if FLAGS.model:  # with train.lora's adapters, as the run builds it
+        return run_config.adapted(c, presets.preset_config(FLAGS.model, **execution)), FLAGS.model
     if c.model.path:
-        return QwenConfig.from_hf_dir(c.model.path, **execution), c.model.path
+        return run_config.adapted(c, QwenConfig.from_hf_dir(c.model.path, **execution)), c.model.path
     if c.model.preset:
-        return presets.preset_config(c.model.preset, **execution), c.model.preset
+        return run_config.adapted(c, presets.preset_config(c.model.preset, **execution)), c.model.preset
     if c.model.init != "random":
         raise ValueError("the config names no architecture: pass --model=PRESET or --config.model.path=DIR")
     vocab = int(c.tokenizer.split(":")[1]) if c.tokenizer.startswith("sentencepiece:") else None

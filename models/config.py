@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from models.attention import IMPLEMENTATIONS
+from models.lora import LoraConfig
 
 # architecture name in config.json -> (family, qkv_bias, qk_norm)
 _ARCHITECTURES = {
@@ -38,7 +39,8 @@ class ConfigError(ValueError):
 class QwenConfig:
     """Architecture plus execution options of a Qwen dense decoder.
 
-    Architecture fields mirror the HF names. Execution fields (`dtype`, `param_dtype`,
+    Architecture fields mirror the HF names; `lora` adds adapters (which `to_hf_dict` does not
+    describe: an exported model has them merged). Execution fields (`dtype`, `param_dtype`,
     `scan_layers`, `remat`, `attention`) do not change the math: scanned and looped layers give the
     same numbers, remat only trades memory for recompute, and every attention implementation
     computes the same softmax (to float rounding).
@@ -67,6 +69,9 @@ class QwenConfig:
     remat: str = "none"  # "none" | "full" | "dots" (see models/qwen.py REMAT_POLICIES)
     attention: str = "auto"  # "auto" | "dense" | "blockwise" (models/attention.py)
     attention_block: int = 512  # tokens per query / key block of blockwise attention
+    # low-rank adapters (models/lora.py): the base weights frozen in the compute dtype, the
+    # adapters stored in `param_dtype` and the only parameters trained
+    lora: LoraConfig | None = None
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:

@@ -197,8 +197,8 @@ class ExportTensor:
 def export_tensors(model: qwen.Qwen, dtype=None) -> list[ExportTensor]:
     """The HF tensors of `model` in file order: embedding, layer by layer, final norm, head."""
     cfg = model.cfg
-    dtype = jnp.dtype(dtype or cfg.param_dtype)
-    arrays = qwen.model_state_arrays(model)
+    dtype = jnp.dtype(dtype or qwen.stored_dtype(cfg))
+    arrays = qwen.merged_arrays(model)  # LoRA adapters merged
 
     def tensor(path: str, layer: int | None) -> ExportTensor:
         arr, layout = arrays[path], HF_KEYS[path][1]
@@ -288,11 +288,12 @@ def save_hf(model: qwen.Qwen, directory: str, *, dtype=None, max_shard_size: int
     Files: config.json, generation_config.json (carried over from `carry_from` when it has one,
     else bos/eos only), the tokenizer files of `carry_from`, and `model.safetensors`, or
     `model-0000i-of-0000N.safetensors` + `model.safetensors.index.json` when the weights exceed
-    `max_shard_size`. Tied embeddings store no `lm_head`. `dtype` defaults to the parameter dtype.
+    `max_shard_size`. Tied embeddings store no `lm_head`; LoRA adapters are merged into their weights.
+    `dtype` defaults to the stored dtype of the weights (`qwen.stored_dtype`).
     The directory appears atomically; returns the names of the files written.
     """
     cfg = model.cfg
-    dtype = jnp.dtype(dtype or cfg.param_dtype)
+    dtype = jnp.dtype(dtype or qwen.stored_dtype(cfg))
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"cannot store weights as {dtype} in safetensors")
     shards = plan_shards(export_tensors(model, dtype), parse_size(max_shard_size))

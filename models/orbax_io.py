@@ -110,8 +110,8 @@ def save_orbax(model: qwen.Qwen, directory: str, *, dtype=None, carry_from: str 
     each process writing its own shards. Tokenizer and generation files of `carry_from` are copied.
     """
     cfg = model.cfg
-    dtype = jnp.dtype(dtype or cfg.param_dtype)
-    arrays = qwen.model_state_arrays(model)
+    dtype = jnp.dtype(dtype or qwen.stored_dtype(cfg))
+    arrays = qwen.merged_arrays(model)  # LoRA adapters merged
     tree: dict = {}
     for path, arr in arrays.items():
         *parents, leaf = path.split("/")

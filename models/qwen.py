@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from models import attention as attn
+from models import lora as lora_lib
 from models import loops
 from models import sharding as shd
 from models.config import QwenConfig
@@ -48,6 +49,7 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "layers/gate_proj": ("layers", "embed", "mlp"),
     "layers/up_proj": ("layers", "embed", "mlp"),
     "layers/down_proj": ("layers", "mlp", "embed"),
+    **lora_lib.param_axes(),  # present only for a config's LoRA targets
 }
 CACHE_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
 
@@ -81,7 +83,19 @@ def param_shapes(cfg: QwenConfig) -> dict[str, tuple[int, ...]]:
         shapes.update({"layers/q_bias": (L, H, D), "layers/k_bias": (L, K, D), "layers/v_bias": (L, K, D)})
     if cfg.qk_norm:
         shapes.update({"layers/q_norm": (L, D), "layers/k_norm": (L, D)})
+    if cfg.lora is not None:
+        shapes.update(lora_lib.adapter_shapes(shapes, cfg.lora))
     return shapes
+
+
+def _param(name: str, shape, cfg: QwenConfig, key) -> nnx.Param:
+    """A new parameter: with LoRA the adapters are `nnx.LoRAParam`s in `param_dtype` and the base
+    weights are stored in the compute dtype; otherwise every weight is in `param_dtype`."""
+    if cfg.lora is None:
+        return nnx.Param(_init_value(name, shape, jnp.dtype(cfg.param_dtype), key))
+    if lora_lib.is_adapter(name):
+        return nnx.LoRAParam(lora_lib.init_value(name, shape, jnp.dtype(cfg.param_dtype), key))
+    return nnx.Param(_init_value(name, shape, jnp.dtype(cfg.dtype), key))
 
 
 def _init_value(name: str, shape, dtype, key) -> jax.Array:
@@ -136,9 +150,7 @@ class Qwen(nnx.Module):
     def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs, mesh: jax.sharding.Mesh | None = None):
         self.cfg = cfg
         self.mesh = mesh
-        pdt = jnp.dtype(cfg.param_dtype)
-        values = {name: nnx.Param(_init_value(name, shape, pdt, rngs.params()))
-                  for name, shape in param_shapes(cfg).items()}
+        values = {name: _param(name, shape, cfg, rngs.params()) for name, shape in param_shapes(cfg).items()}
         self.embed = values.pop("embed")
         self.final_norm = values.pop("final_norm")
         self.lm_head = values.pop("lm_head", None)
@@ -207,12 +219,16 @@ class Qwen(nnx.Module):
 
         At a decode step's few rows XLA:CPU multiplies [out, in] @ [in, rows] 1.2-2x faster than
         [rows, in] @ [in, out] (it is kernel-bound there, not memory-bound), and one product per
-        group saves per-op overhead; the sampler makes this copy once per parameter update.
+        group saves per-op overhead; the sampler makes this copy once per parameter update. LoRA
+        adapters are merged into it (in the compute dtype).
         """
         params = self.layers.arrays()
         out = []
         for i in range(self.cfg.num_layers):
             w = {k: v[i] for k, v in params.items()}
+            if self.cfg.lora is not None:  # a copy anyway: the adapters are merged into it
+                w = lora_lib.merged({k: v.astype(self.cfg.dtype) if not lora_lib.is_adapter(k) else v
+                                     for k, v in w.items()}, self.cfg.lora.scale)
             for group in _FUSED:
                 mats = [w.pop(name) for name in group]
                 n_in = _PROJECTIONS[group[0]][1]
@@ -287,11 +303,17 @@ def _matmul_out_in(x, w) -> jax.Array:
     return jax.lax.optimization_barrier(w @ rows.T).T.reshape(*x.shape[:-1], w.shape[0])
 
 
-def _project(names: tuple[str, ...], x, w: dict, out_shapes, decode_layout: bool) -> tuple[jax.Array, ...]:
-    """x times each projection of a `_FUSED` group: one einsum each in the stored layout, one
-    product with the group's [out, in] matrix in the decode layout."""
+def _project(names: tuple[str, ...], x, w: dict, out_shapes, decode_layout: bool,
+             lora_scale: float = 0.0) -> tuple[jax.Array, ...]:
+    """x times each projection of a `_FUSED` group: one einsum each in the stored layout (plus its
+    LoRA adapter's low-rank product where it has one), one product with the group's [out, in]
+    matrix in the decode layout (adapters already merged into it)."""
     if not decode_layout:
-        return tuple(jnp.einsum(_PROJECTIONS[n][0], x, w[n]) for n in names)
+        def one(n):
+            y = jnp.einsum(_PROJECTIONS[n][0], x, w[n])
+            a, b = lora_lib.adapter_names(n)
+            return y if a not in w else y + lora_lib.delta(n, x, w[a], w[b], lora_scale)
+        return tuple(one(n) for n in names)
     x = x.reshape(*x.shape[:2], -1)  # [B, T, in]: o_proj's input is per head
     y = _matmul_out_in(x, w["+".join(names)])
     sizes = [math.prod(s) for s in out_shapes]
@@ -316,7 +338,8 @@ def _decoder_layer(p: dict[str, jax.Array], x, kv, layer, slots, *, cfg: QwenCon
     x = x.astype(jnp.float32)
     w = {k: v.astype(dtype) for k, v in p.items()}
     H, K, D, E, F = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
-    proj = functools.partial(_project, w=w, decode_layout=decode_layout)
+    proj = functools.partial(_project, w=w, decode_layout=decode_layout,
+                             lora_scale=0.0 if cfg.lora is None else cfg.lora.scale)
     h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps).astype(dtype)
     q, k, v = proj(("q_proj", "k_proj", "v_proj"), h, out_shapes=((H, D), (K, D), (K, D)))
     if cfg.qkv_bias:
@@ -395,18 +418,70 @@ def state_shardings(state, mesh: jax.sharding.Mesh):
 
 def frozen_config(cfg: QwenConfig) -> QwenConfig:
     """The config of a copy that only runs forward passes (the reference policy, a host's sampler
-    replica): parameters stored in the compute dtype. Every weight is cast to the compute dtype where
-    it is used, so such a copy computes exactly what the model does, in half the memory of float32
-    parameters (Qwen2.5-7B on a 4-chip host: 3.6 instead of 7.1 GiB per chip)."""
-    return dataclasses.replace(cfg, param_dtype=cfg.dtype)
+    replica): parameters stored in the compute dtype, adapters merged. Every weight is cast to the
+    compute dtype where it is used, so such a copy computes exactly what the model does, in half the
+    memory of float32 parameters (Qwen2.5-7B on a 4-chip host: 3.6 instead of 7.1 GiB per chip)."""
+    return dataclasses.replace(cfg, param_dtype=cfg.dtype, lora=None)
 
 
 def frozen_copy(model: Qwen) -> Qwen:
-    """A copy of `model` on `frozen_config`: same shardings, parameters in the compute dtype."""
+    """A copy of `model` on `frozen_config`: same shardings, parameters in the compute dtype, LoRA
+    adapters merged into their weights."""
     cfg = frozen_config(model.cfg)
-    graphdef, _ = nnx.split(abstract_model(cfg, model.mesh))
-    params = nnx.state(model, nnx.Param)
-    return nnx.merge(graphdef, jax.tree.map(lambda a: jnp.array(a, dtype=cfg.param_dtype), params))
+    graphdef, abstract = nnx.split(abstract_model(cfg, model.mesh))
+    flat = merged_arrays(model)
+    return nnx.merge(graphdef, with_arrays(abstract, lambda name: jnp.array(flat[name], dtype=cfg.param_dtype)))
+
+
+# -- LoRA (models/lora.py) ----------------------------------------------------------------------------
+def trainable(cfg: QwenConfig):
+    """The nnx filter of the parameters an optimizer trains: the adapters with LoRA, else all."""
+    return nnx.Param if cfg.lora is None else nnx.LoRAParam
+
+
+def frozen(cfg: QwenConfig):
+    """The nnx filter of the parameters no optimizer touches: the base weights under LoRA."""
+    return nnx.Nothing if cfg.lora is None else nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
+
+
+def stored_dtype(cfg: QwenConfig) -> str:
+    """The dtype the base weights are stored in: the compute dtype under LoRA, else `param_dtype`."""
+    return cfg.param_dtype if cfg.lora is None else cfg.dtype
+
+
+def merged_arrays(model: Qwen) -> dict[str, jax.Array]:
+    """{'layers/q_proj': array, ...} of what `model` computes without adapters: each adapter
+    merged into its weight (in the weight's dtype); the plain parameters without LoRA."""
+    flat = model_state_arrays(model)
+    return flat if model.cfg.lora is None else lora_lib.merged(flat, model.cfg.lora.scale)
+
+
+def base_view(model: Qwen) -> Qwen:
+    """`model` with every adapter off: a model of `frozen_config` on the very base arrays (no copy).
+    Under LoRA it is the reference policy of the KL term."""
+    graphdef, _ = nnx.split(abstract_model(frozen_config(model.cfg), model.mesh))
+    return nnx.merge(graphdef, nnx.state(model, frozen(model.cfg)))
+
+
+def with_adapters(model: Qwen, lora: lora_lib.LoraConfig, *, param_dtype: str = "float32", seed: int = 0) -> Qwen:
+    """`model` as the base of fresh adapters (A random, B zero: it computes what `model` does): its
+    weights cast to the compute dtype, the adapters in `param_dtype`, created sharded."""
+    cfg = model.cfg.replace(lora=lora, param_dtype=param_dtype)
+    graphdef, abstract = nnx.split(abstract_model(cfg, model.mesh))
+    adapters = nnx.state(abstract, nnx.LoRAParam)
+    shardings = None if model.mesh is None else state_shardings(adapters, model.mesh)
+
+    @functools.partial(jax.jit, out_shardings=shardings)
+    def init():  # the base weights' initializers are dead code here, which XLA drops
+        return nnx.state(Qwen(cfg, rngs=nnx.Rngs(seed), mesh=model.mesh), nnx.LoRAParam)
+
+    base = jax.tree.map(lambda a: a.astype(cfg.dtype), nnx.state(model, nnx.Param))
+    return nnx.merge(graphdef, base, init())
+
+
+def with_arrays(state, array_of):
+    """`state` (an nnx.State of parameters) with each leaf replaced by array_of(its param path)."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: array_of(param_path(path)), state)
 
 
 def abstract_model(cfg: QwenConfig, mesh=None) -> Qwen:

@@ -35,6 +35,7 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     # saves for the backward pass is 1/tp of the row; XLA gathers them where a layer needs all
     "act_seq": ("tp",),
     "act_vocab": ("tp",),
+    "lora_rank": (),  # models/lora.py: a few dozen wide, contracted or produced by both products
 }
 
 

@@ -13,7 +13,9 @@ terms it optimizes (`cope_jax/learning/methods.py`). Inside one jitted function:
    whose weights were normalized over the whole mini-batch on the host, so the sum over
    micro-batches *is* the mini-batch loss and gradient: accumulation is exact, never an average of
    per-micro-batch means.
-3. optax: clip_by_global_norm(1.0) then AdamW (SPEC 2), through `nnx.Optimizer(model, tx, wrt=nnx.Param)`.
+3. optax: clip_by_global_norm(1.0) then AdamW (SPEC 2), through `nnx.Optimizer(model, tx, wrt=...)`
+   over every parameter, or under LoRA (`QwenConfig.lora`) over the adapters only: the frozen base
+   weights enter the step as an input of their own, neither differentiated nor donated.
 
 Forward-only jitted functions give `old_logp` (the rollout parameters, before the first update of a
 train batch) and `ref_logp` (the frozen reference policy) on the same packed rows.
@@ -123,17 +125,19 @@ def micro_loss(model, batch: PackedBatch, coefs: dict, cfg: LossConfig, *, on_po
 
 def loss_and_grads(model, batch: PackedBatch, cfg: LossConfig, coefs: dict | None = None, *,
                    on_policy: bool = False, mesh=None):
-    """batch [micro, rows, L] -> (loss, grads (nnx.State of the params), additive metric sums).
+    """batch [micro, rows, L] -> (loss, grads (nnx.State of the trained params: all of them, or the
+    LoRA adapters), additive metric sums).
 
     The loss is sum_term coefs[term] * term over the terms the batch carries weights for; `coefs`
     defaults to the config's (`LossConfig.coefficients`), and terms it switches off are ignored.
     Traceable (call it under jit); the step and the tests share it.
     """
     coefs = _coefficients(batch, cfg) if coefs is None else coefs
-    graphdef, params = nnx.split(model, nnx.Param)
+    # the trained parameters (all, or the LoRA adapters) and the rest, held constant
+    graphdef, params, rest = nnx.split(model, qwen.trainable(model.cfg), ...)
 
     def one(p, mb):
-        return micro_loss(nnx.merge(graphdef, p), mb, coefs, cfg, on_policy=on_policy, mesh=mesh)
+        return micro_loss(nnx.merge(graphdef, p, rest), mb, coefs, cfg, on_policy=on_policy, mesh=mesh)
 
     grad_fn = jax.value_and_grad(one, has_aux=True)
 
@@ -214,10 +218,11 @@ def train_state_shardings(state, mesh):
 
 def abstract_train_state(model_cfg: qwen.QwenConfig, opt_cfg: OptimizerConfig, mesh):
     """(graphdef, abstract state) of a Learner's (model, optimizer) on `mesh`, laid out as the
-    Learner lays them out; nothing is allocated."""
+    Learner lays them out; nothing is allocated. (Under LoRA the state includes the frozen base:
+    `nnx.split` by `qwen.frozen` parts it as the Learner does.)"""
     def build():
         model = qwen.Qwen(model_cfg, rngs=nnx.Rngs(0), mesh=mesh)
-        return model, nnx.Optimizer(model, make_optimizer(opt_cfg), wrt=nnx.Param)
+        return model, nnx.Optimizer(model, make_optimizer(opt_cfg), wrt=qwen.trainable(model_cfg))
 
     graphdef, state = nnx.split(nnx.eval_shape(build))
     shardings = train_state_shardings(state, mesh)
@@ -236,14 +241,14 @@ def _micro_with_tokens_of(batch: PackedBatch, terms) -> int:
     return min(batch.num_micro, 1 << int(used[-1]).bit_length())
 
 
-def _train_step(graphdef, state, batch, coefs, *, cfg, on_policy, mesh):
-    model, optimizer = nnx.merge(graphdef, state)
+def _train_step(graphdef, state, batch, coefs, frozen=None, *, cfg, on_policy, mesh):
+    model, optimizer = nnx.merge(graphdef, state) if frozen is None else nnx.merge(graphdef, frozen, state)
     _, grads, sums = loss_and_grads(model, batch, cfg, coefs, on_policy=on_policy, mesh=mesh)
     metrics = losses.finalize_metrics(sums)
     metrics["grad_norm"] = optax.tree.norm(grads)
     metrics |= _term_grad_norms(model, batch, cfg, coefs, grads, on_policy=on_policy, mesh=mesh)
     optimizer.update(model, grads)
-    return nnx.state((model, optimizer)), metrics
+    return nnx.state((model, optimizer), nnx.Not(qwen.frozen(model.cfg))), metrics
 
 
 def _term_grad_norms(model, batch, cfg, coefs, grads, *, on_policy, mesh) -> dict:
@@ -283,8 +288,10 @@ def _compiled_logprobs(graphdef, cfg, mesh):
 
 
 def step_program(graphdef, state_shardings, cfg: LossConfig, mesh, on_policy: bool = False):
-    """The jitted train step: (state, batch [micro, rows, L], coefs {term: coefficient}) ->
-    (state, metrics); the batch's weights and `coefs` name the same terms."""
+    """The jitted train step: (state, batch [micro, rows, L], coefs {term: coefficient}[, frozen]) ->
+    (state, metrics); the batch's weights and `coefs` name the same terms. `state` (donated) is
+    everything the step updates; under LoRA the frozen base weights come apart as `frozen`
+    (`qwen.frozen`), read and never donated (the reference policy reads the same arrays)."""
     leaves, treedef = jax.tree.flatten(state_shardings)
     return _compiled_step(graphdef, cfg.device_part(), on_policy, mesh, tuple(leaves), treedef)
 
@@ -321,13 +328,15 @@ class Learner:
         self.cfg = cfg
         self.mesh = mesh
         tx = make_optimizer(optimizer) if isinstance(optimizer, OptimizerConfig) else optimizer
-        self.optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-        self._graphdef, state = nnx.split((model, self.optimizer))
+        self.optimizer = nnx.Optimizer(model, tx, wrt=qwen.trainable(model.cfg))
+        self._frozen = qwen.frozen(model.cfg)
+        self._graphdef, frozen, state = nnx.split((model, self.optimizer), self._frozen, ...)
         # committed now, so the step's outputs (pinned to the same shardings) hit the executable
         # compiled for its first inputs
-        state = _committed(state) if mesh is None else jax.device_put(state, train_state_shardings(state, mesh))
-        nnx.update((model, self.optimizer), state)
-        self._shardings = jax.tree.map(lambda a: a.sharding, state)
+        for part in (frozen, state):
+            part = _committed(part) if mesh is None else jax.device_put(part, train_state_shardings(part, mesh))
+            nnx.update((model, self.optimizer), part)
+        self._shardings = jax.tree.map(lambda a: a.sharding, self._state())
 
     def step_program(self, on_policy: bool = False):
         """The compiled step (`step_program`) of this learner's state."""
@@ -340,10 +349,14 @@ class Learner:
         its old log-probs are the current ones, taken inside the step (`fill_logprobs` skips them)."""
         batch = self._active(batch)
         coefs = _coefficients(batch, self.cfg)
-        state = nnx.state((self.model, self.optimizer))
-        new_state, metrics = self.step_program(on_policy)(state, place_batch(batch, self.mesh), coefs)
+        frozen = nnx.state((self.model, self.optimizer), self._frozen) if self.model.cfg.lora is not None else None
+        new_state, metrics = self.step_program(on_policy)(self._state(), place_batch(batch, self.mesh), coefs, frozen)
         nnx.update((self.model, self.optimizer), new_state)
         return {k: v for k, v in metrics.items() if reported(k, coefs)}
+
+    def _state(self):
+        """What the step updates (and donates): the model and optimizer less the frozen base."""
+        return nnx.state((self.model, self.optimizer), nnx.Not(self._frozen))
 
     def _active(self, batch: PackedBatch) -> PackedBatch:
         """The batch without the weights of terms the config switches off."""

@@ -104,7 +104,9 @@ def run_programs(c: ml_collections.ConfigDict, model_cfg: QwenConfig, devices, m
     frozen_cfg = qwen.frozen_config(model_cfg)
     spec = get_method(c.method, horizon=None if c.train.horizon < 0 else int(c.train.horizon))
     needs_reference = bool(needing(run_config.loss_config(c).active_terms(spec.terms), "ref_logp"))
-    reference = per_chip_bytes(_params(qwen.abstract_placed_model(frozen_cfg, mesh))) if needs_reference else 0
+    # under LoRA the reference is the base itself (`qwen.base_view`): no bytes of its own
+    has_copy = needs_reference and model_cfg.lora is None
+    reference = per_chip_bytes(_params(qwen.abstract_placed_model(frozen_cfg, mesh))) if has_copy else 0
     layout = Layout(mesh=mesh, host_mesh=host_mesh, hosts=hosts, rows_per_micro=run_config.rows_per_micro(c, mesh),
                     params_bytes=params_bytes, optimizer_bytes=opt_bytes,
                     replica_bytes=0 if replica is None else per_chip_bytes(_params(replica)),
@@ -131,7 +133,10 @@ def _sampling(c, model_cfg, mesh, hosts: int, host_devices):
 # -- the trainer's programs --------------------------------------------------------------------------
 def _trainer_programs(c, model_cfg, layout: Layout, graphdef, state, spec) -> list[Program]:
     mesh, rows, T = layout.mesh, layout.rows_per_micro, int(c.train.row_len)
-    shardings = jax.tree.map(lambda a: a.sharding, state)
+    # the step's donated state and (under LoRA) the frozen base, parted as the Learner parts them
+    _, frozen, trained = nnx.split(nnx.merge(graphdef, state), qwen.frozen(model_cfg), ...)
+    frozen = frozen if model_cfg.lora is not None else None
+    shardings = jax.tree.map(lambda a: a.sharding, trained)
     ways = _row_ways(rows, mesh) * _tp(mesh)
     loss = run_config.loss_config(c)
     chunks = -(-T // chunk_positions(rows, T, loss.logits_chunk_tokens))
@@ -146,7 +151,7 @@ def _trainer_programs(c, model_cfg, layout: Layout, graphdef, state, spec) -> li
         batch = ts.abstract_batch((1, rows, T), terms, mesh)
         coefs = {t: jax.ShapeDtypeStruct((), jnp.float32) for t in terms}
         program = ts.step_program(graphdef, shardings, loss_cfg, mesh)
-        return lambda: program.lower(state, batch, coefs)
+        return lambda: program.lower(trained, batch, coefs, frozen)
 
     model_def, params = _model_part(graphdef, state)
     logprobs = ts.logprobs_program(model_def, loss, mesh)

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from cope_jax.plan.planner import Plan
 from cope_jax.plan.programs import layer_matmul_params
+from models import lora, qwen
 
 GIB = float(1 << 30)
 
@@ -26,8 +28,13 @@ def header(plan: Plan) -> list[str]:
     t, m = plan.target, plan.model_cfg
     chip = t.chip
     params = layer_matmul_params(m) + m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)
+    weights = f"{m.param_dtype} weights"
+    if m.lora is not None:  # the base frozen in the compute dtype, the adapters trained
+        adapters = sum(math.prod(s) for n, s in qwen.param_shapes(m).items() if lora.is_adapter(n))
+        weights = (f"{m.dtype} frozen weights + LoRA rank {m.lora.rank} on {len(m.lora.targets)} projections: "
+                   f"{adapters / 1e6:.1f}M {m.param_dtype} parameters trained")
     return [
-        f"plan: {plan.config} / {plan.model} ({params / 1e9:.2f}B parameters, {m.param_dtype} weights, "
+        f"plan: {plan.config} / {plan.model} ({params / 1e9:.2f}B parameters, {weights}, "
         f"{m.dtype} compute, remat {m.remat})",
         f"target: {t.name} ({t.chips} x {chip.kind}, {t.hosts} host{'s' if t.hosts > 1 else ''}; "
         f"{t.usable_bytes / GIB:.2f} GiB usable per chip, {_si(chip.peak_flops, 'FLOP/s')} bf16, "

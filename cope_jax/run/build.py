@@ -80,6 +80,7 @@ def build(config: ml_collections.ConfigDict, workdir: str) -> Components:
     if spec.forecast_kind is not None and "af" in loss_cfg.active_terms(spec.terms):  # af_coef 0: no examples
         forecast_cfg = run_config.forecast_config(c, family, spec.forecast_kind, spec.horizon)
     _check_model_path(c)
+    run_config.lora_config(c)
     _check_tokenizer(c, family)
     mesh = distributed.run_mesh(tuple(c.mesh))
     rows = run_config.sampler_rows(c, jax.process_count())
@@ -206,4 +207,7 @@ def _model(c: ml_collections.ConfigDict, tokenizer, mesh):
         cfg = run_config.random_model_config(c, tokenizer.vocab_size)
         return models.create_model(cfg, seed=c.seed, mesh=mesh)
     model, _ = models.load_model(m.path, mesh=mesh, **run_config.execution(c))
-    return model
+    lora = run_config.lora_config(c)
+    if lora is None:
+        return model
+    return models.qwen.with_adapters(model, lora, param_dtype=m.param_dtype, seed=c.seed)

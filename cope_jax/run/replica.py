@@ -9,7 +9,7 @@ replicated; rows over `data`. Of the tp widths the heads allow, the one whose ch
 bytes per step (weights + cache) wins, which is also the one that holds the least.
 
 `SamplingReplica` holds the policy's parameters on that mesh in the compute dtype
-(`qwen.frozen_config`) and `refresh()` copies the trained parameters in with one jitted reshard
+(`qwen.frozen_config`; LoRA adapters merged into them) and `refresh()` copies the trained parameters in with one jitted reshard
 (the old copy's buffers donated, so no second replica exists meanwhile). On one device, or where
 the training mesh already is the decode layout in the compute dtype, the replica is the policy.
 On several hosts every host lays out its own devices the same way (one reshard to a mesh with a
@@ -26,6 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from cope_jax.run import distributed
+from models import lora as lora_lib
 from models import qwen
 from models import sharding as shd
 from models.config import QwenConfig
@@ -74,7 +75,12 @@ class SamplingReplica:
         cfg = qwen.frozen_config(model.cfg)  # the sampler only runs forward passes
         graphdef, abstract = nnx.split(qwen.abstract_model(cfg, self.mesh))
         self._local_shardings = qwen.state_shardings(abstract, self.mesh)
-        cast = lambda p: jax.tree.map(lambda a: a.astype(cfg.param_dtype), p)
+        lora = model.cfg.lora
+
+        def cast(p):  # LoRA adapters merged into the copy: it decodes at the base model's cost
+            flat = {qwen.param_path(k): a for k, a in jax.tree_util.tree_leaves_with_path(p)}
+            flat = flat if lora is None else lora_lib.merged(flat, lora.scale)
+            return qwen.with_arrays(abstract, lambda name: flat[name].astype(cfg.param_dtype))
         if jax.process_count() == 1:
             out = self._local_shardings
         else:
@@ -121,6 +127,8 @@ class SamplingReplica:
 
 def reads_policy(cfg: QwenConfig, mesh: Mesh, decode: Mesh, hosts: int) -> bool:
     """Whether the sampler can read the policy itself: one host, the policy already on the decode
-    mesh's devices and axes, in the compute dtype."""
-    return (hosts == 1 and jnp.dtype(cfg.param_dtype) == jnp.dtype(cfg.dtype)
+    mesh's devices and axes, its weights in the compute dtype (always under LoRA: the sampler then
+    applies the adapters unmerged: at rank 64 on Qwen2.5-7B 4% more bytes per step than a merged
+    copy, which would hold a second model)."""
+    return (hosts == 1 and (cfg.lora is not None or jnp.dtype(cfg.param_dtype) == jnp.dtype(cfg.dtype))
             and mesh.devices.shape == decode.devices.shape and (mesh.devices == decode.devices).all())

@@ -17,6 +17,7 @@ from cope_jax.rollout.runner import RolloutConfig
 from cope_jax.learning.train_step import OptimizerConfig
 from models import presets
 from models.config import ConfigError, QwenConfig
+from models.lora import LoraConfig, LoraConfigError
 
 
 WARMSTART_SCHEDULES = ("constant", "cosine")  # warmstart.lr_schedule
@@ -82,10 +83,33 @@ def forecast_config(c: ml_collections.ConfigDict, family, kind: str, horizon: in
 
 
 def execution(c: ml_collections.ConfigDict) -> dict:
-    """The QwenConfig execution fields of `config.model`."""
+    """The QwenConfig execution fields of `config.model`'s base weights: under LoRA they are frozen
+    and stored in the compute dtype (no float32 master copy to update)."""
     m = c.model
-    return dict(dtype=m.dtype, param_dtype=m.param_dtype, scan_layers=m.scan_layers, remat=m.remat,
+    base_dtype = m.dtype if lora_config(c) is not None else m.param_dtype
+    return dict(dtype=m.dtype, param_dtype=base_dtype, scan_layers=m.scan_layers, remat=m.remat,
                 attention=m.attention, attention_block=m.attention_block)
+
+
+def lora_config(c: ml_collections.ConfigDict) -> LoraConfig | None:
+    """`train.lora` as adapters (None: rank unset, full fine-tuning); a bad field is refused."""
+    lora = c.train.lora
+    if lora.rank is None:
+        return None
+    if lora.dropout:
+        raise ConfigError(f"train.lora.dropout={lora.dropout}: only 0 is supported (a dropped-out forward would "
+                          "give the trained log-probs a different policy than the sampled and old ones)")
+    try:
+        return LoraConfig(rank=lora.rank, alpha=float(lora.alpha), targets=tuple(lora.targets))
+    except LoraConfigError as e:
+        raise ConfigError(str(e)) from None
+
+
+def adapted(c: ml_collections.ConfigDict, cfg: QwenConfig) -> QwenConfig:
+    """The trained model's config on the base architecture `cfg`: with `train.lora`'s adapters,
+    stored in `model.param_dtype`, or `cfg` itself."""
+    lora = lora_config(c)
+    return cfg if lora is None else cfg.replace(lora=lora, param_dtype=c.model.param_dtype)
 
 
 def random_model_config(c: ml_collections.ConfigDict, tokenizer_vocab: int | None) -> QwenConfig:
@@ -93,15 +117,15 @@ def random_model_config(c: ml_collections.ConfigDict, tokenizer_vocab: int | Non
     fields (vocab_size 0: the tokenizer's)."""
     m = c.model
     if m.preset:
-        return presets.preset_config(m.preset, **execution(c))
+        return adapted(c, presets.preset_config(m.preset, **execution(c)))
     vocab = m.vocab_size or tokenizer_vocab
     if not vocab:
         raise ConfigError("model.vocab_size is 0 and no tokenizer vocabulary is known")
-    return QwenConfig(
+    return adapted(c, QwenConfig(
         family=m.family, vocab_size=vocab, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
         num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
         rms_norm_eps=1e-6, rope_theta=m.rope_theta, tie_word_embeddings=m.tie_word_embeddings,
-        qkv_bias=m.family == "qwen2", qk_norm=m.family == "qwen3", **execution(c))
+        qkv_bias=m.family == "qwen2", qk_norm=m.family == "qwen3", **execution(c)))
 
 
 def sampler_rows(c: ml_collections.ConfigDict, hosts: int) -> int:

@@ -49,9 +49,13 @@ def train(parts: Components, progress: bool = True, resume: str = "latest") -> d
     Returns the summary of the last evaluation it ran ({} if none)."""
     c = parts.config
     needs_ref = bool(needing(parts.loss_cfg.active_terms(parts.spec.terms), "ref_logp"))
-    # the policy RL starts from; its own buffers (the learner donates the policy's)
-    ref_model = models.qwen.frozen_copy(parts.model) if needs_ref else None
+    lora = parts.model.cfg.lora is not None
+    # the policy RL starts from; its own buffers (the learner donates the policy's). Under LoRA the
+    # base with the adapters off, on the same frozen arrays (never donated): no second model
+    ref_model = models.qwen.frozen_copy(parts.model) if needs_ref and not lora else None
     learner = Learner(parts.model, parts.loss_cfg, parts.opt_cfg, mesh=parts.mesh)
+    if needs_ref and lora:
+        ref_model = models.qwen.base_view(parts.model)
     tasks = _TaskBatches(parts)
     ckpt = TrainCheckpointer(os.path.join(parts.workdir, CHECKPOINT_DIR), keep=c.checkpoint.keep)
     start, base_key = _restore(parts, ckpt, learner, tasks, resume)
@@ -133,8 +137,14 @@ class _TaskBatches:
 
 
 def _state(parts: Components, learner: Learner, key) -> dict[str, Any]:
-    """What a checkpoint holds besides the data state."""
-    return {"params": nnx.state(parts.model, nnx.Param), "optimizer": nnx.state(learner.optimizer), "rng": key}
+    """What a checkpoint holds besides the data state: the trained parameters (under LoRA the
+    adapters; the frozen base is the run's starting model), the optimizer's state, the RNG key."""
+    return {"params": trained_params(parts.model), "optimizer": nnx.state(learner.optimizer), "rng": key}
+
+
+def trained_params(model):
+    """The parameters a checkpoint's `params` item holds: all, or under LoRA the adapters."""
+    return nnx.state(model, models.qwen.trainable(model.cfg))
 
 
 def _restore(parts: Components, ckpt: TrainCheckpointer, learner: Learner, tasks: _TaskBatches,

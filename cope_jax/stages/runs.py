@@ -50,7 +50,7 @@ def eval_run(config, workdir: str, *, checkpoint: int | None = None, split: str 
     from cope_jax.run.build import build
     from cope_jax.run.checkpoint import TrainCheckpointer
     from cope_jax.stages.evaluate import evaluate
-    from cope_jax.stages.rl import CHECKPOINT_DIR
+    from cope_jax.stages.rl import CHECKPOINT_DIR, trained_params
     from cope_jax.stages.warmstart import WARMSTART_DIR, warmstart
 
     if not os.path.isfile(os.path.join(workdir, "config.json")):
@@ -79,7 +79,9 @@ def eval_run(config, workdir: str, *, checkpoint: int | None = None, split: str 
         if not step:
             warmstart(parts)  # loads the finished warm start (checked above), never trains
         else:
-            _, state, _, _ = ckpt.restore(step, abstract_state={"params": nnx.state(parts.model, nnx.Param)})
+            if parts.model.cfg.lora is not None and parts.config.warmstart.steps > 0:
+                warmstart(parts)  # the base of the run's adapters
+            _, state, _, _ = ckpt.restore(step, abstract_state={"params": trained_params(parts.model)})
             nnx.update(parts.model, state["params"])
         ckpt.close()
         summary = evaluate(parts, step, split=split, samples=samples, tasks=tasks, name="eval_binary",

@@ -32,7 +32,7 @@ def warmstart(parts: Components, progress: bool = False) -> dict[str, Any] | Non
     directory = os.path.join(parts.workdir, WARMSTART_DIR)
     if os.path.isdir(directory):
         loaded, _ = models.load_model(directory, mesh=parts.mesh, **run_config.execution(c))
-        nnx.update(parts.model, nnx.state(loaded, nnx.Param))
+        nnx.update(parts.model, nnx.state(loaded, nnx.Param))  # the base weights; adapters stay fresh
         return None
     demos = _demonstrations(parts)
     # optional: forecasting examples (SPEC 3's planning format, from the demonstrations, which
@@ -42,7 +42,10 @@ def warmstart(parts: Components, progress: bool = False) -> dict[str, Any] | Non
     spec = get_method("warmstart", horizon=parts.spec.horizon)
     forecast = run_config.forecast_config(c, parts.family, spec.forecast_kind, spec.horizon) if n_af else None
     loss_cfg, opt_cfg = run_config.warmstart_configs(c)
-    learner = Learner(parts.model, loss_cfg, opt_cfg, mesh=parts.mesh)
+    # every weight is trained, LoRA or not (adapters could not teach a random model its embeddings):
+    # under LoRA through the base view, whose trained weights then become the adapters' base
+    policy = parts.model if parts.model.cfg.lora is None else models.qwen.base_view(parts.model)
+    learner = Learner(policy, loss_cfg, opt_cfg, mesh=parts.mesh)
     rng = np.random.RandomState(c.seed)
     t0 = time.time()
 
@@ -59,6 +62,8 @@ def warmstart(parts: Components, progress: bool = False) -> dict[str, Any] | Non
     bar = Bar(0, ws.steps, enabled=progress and parts.is_main, desc="warm start")
     step_loop(parts, "warmstart", range(ws.steps), step, bar,
               logged=lambda n: n % max(1, ws.steps // 20) == 0 or n == ws.steps)
+    if policy is not parts.model:  # RL's base (and KL reference) is the warm-started policy
+        nnx.update(parts.model, nnx.state(policy, nnx.Param))
     orbax_io.save_orbax(parts.model, directory)  # every process writes its shards
     return {"demos": len(demos), "seconds": time.time() - t0}
 

@@ -38,6 +38,10 @@ def _binary(module, *args, cwd):
       "--config.model.path=/nonexistent"], "/nonexistent: no such directory"),
     (["--config=CONFIGS/demo.py", "--workdir=run", "--config.rollout.max_fault_fraction=2"],
      "rollout.max_fault_fraction=2: expected a fraction in [0, 1]"),
+    (["--config=CONFIGS/demo.py", "--workdir=run", "--config.train.lora.rank=0"],
+     "train.lora.rank=0: expected a whole number >= 1 (unset: full fine-tuning)"),
+    (["--config=CONFIGS/demo.py", "--workdir=run", "--config.train.lora.rank=8",
+      "--config.train.lora.targets=('q_proj','attn')"], "train.lora.targets=('q_proj', 'attn'): unknown projection"),
 ])
 def test_train_refuses_in_one_line_and_writes_nothing(tmp_path, args, message):
     args = [a.replace("CONFIGS", os.path.join(REPO, "configs")).replace("REPO", REPO) for a in args]

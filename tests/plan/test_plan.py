@@ -92,6 +92,34 @@ def test_state_bytes_per_chip_are_the_trainers_own():
     assert layout.params_bytes == 4 * (split + whole)
 
 
+def test_lora_state_bytes_follow_the_adapters():
+    """A LoRA plan on v5e-8 (fsdp 8): the frozen base in the compute dtype, the adapters and their
+    two AdamW moments in float32, no reference copy, counted here from the shapes alone; and the
+    plan's train step compiles with the base as its own (undonated) input."""
+    c = _tiny_config()
+    c.model.dtype = "bfloat16"
+    c.train.lora.update(rank=8)
+    cfg = run_config.random_model_config(c, 1024)
+    assert cfg.lora.rank == 8 and cfg.param_dtype == "float32"
+    layout, progs = programs.run_programs(c, cfg, targets.devices(targets.get_target("v5e-8")), (1, 8, 1))
+    shapes = qwen.param_shapes(cfg)
+    adapters = {n: s for n, s in shapes.items() if models.lora.is_adapter(n)}
+    assert len(adapters) == 14  # seven projections, A and B each
+    # fsdp 8 splits every dimension named `embed` (hidden 128); norms, and the rank-side halves of
+    # adapters on mlp / heads inputs, stay whole
+    def per_chip(name, shape):
+        axes = qwen.PARAM_AXES[name]
+        return int(np.prod(shape)) // (8 if "embed" in axes and shape[axes.index("embed")] % 8 == 0 else 1)
+    base = sum(per_chip(n, s) for n, s in shapes.items() if n not in adapters)
+    lora_params = sum(per_chip(n, s) for n, s in adapters.items())
+    assert layout.params_bytes == 2 * base + 4 * lora_params
+    assert layout.optimizer_bytes == 2 * 4 * lora_params + 8  # mu, nu; two int32 counts (nnx, Adam)
+    assert layout.reference_bytes == 0
+    step = next(p for p in progs if p.name == "train_step")
+    compiled = step.lower().compile()
+    assert compiled.memory_analysis().argument_size_in_bytes > layout.params_bytes
+
+
 def test_temporaries_equal_an_independent_compile():
     """The plan's train step temporaries on v4-8 equal those of the same step compiled by hand
     (jax.jit of the step function on a mesh made directly from the topology)."""
