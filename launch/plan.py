@@ -1,5 +1,5 @@
 """python -m launch.plan --config=configs/<env>.py:<method> --topology=NAME [--mesh=auto|d,f,t]
-       [--model=PRESET | --config.model.path=DIR] [--json] [--nocost]
+       [--model=PRESET | --config.model.path=DIR] [--sampler_rows=auto] [--json] [--nocost]
 
 Will it fit? Compiles, from abstract shapes on this machine (no accelerator, no weights), every
 program the run executes on the target: the train step at the config's micro-batch shape, the
@@ -10,7 +10,9 @@ buffers alive meanwhile (resident), the total against the chip's usable memory, 
 roofline estimate (seconds per call, tokens/s) from the compiler's own FLOP and byte counts.
 
 Targets (`--topology`): TPU slices v4-8 ... v4-128, v5e-8 ... v5e-256, v5p-8 ... v5p-256,
-v6e-8 ... v6e-256, and GPU hosts 8xA100, 8xH100, 8xH200, 2x8xH100 (`cope_jax/plan/targets.py`).
+v6e-8 ... v6e-256, tpu7x-8 ... tpu7x-256, and GPU hosts 1xA100, 8xA100, 1xH100, 8xH100, 1xH200,
+8xH200, 2x8xH100 (`cope_jax/plan/targets.py`). `--sampler_rows=auto` finds the most sampler rows per
+host that fit (AppWorld's 34k-token windows on one host).
 The architecture: --model (a preset: models/presets.py), else --config.model.path (its config.json
 only), else the config's `model.preset`, else its own fields (`model.init='random'`).
 
@@ -37,6 +39,8 @@ flags.DEFINE_string("mesh", None, "data,fsdp,tp (one may be -1), or 'auto': the 
 flags.DEFINE_string("model", None, "Architecture preset (e.g. Qwen2.5-7B-Instruct); default: from the config.")
 flags.DEFINE_bool("json", False, "Print JSON lines (one per program, then a summary) instead of the table.")
 flags.DEFINE_bool("cost", True, "Compile the cost variants for the roofline estimate (--nocost: memory only).")
+flags.DEFINE_enum("sampler_rows", None, ["auto"], "'auto': the most rollout.sampler_rows per host, up to the "
+                  "config's, whose sampler programs fit (the config's own, else the largest power of two below).")
 flags.DEFINE_list("programs", [], "Plan only these programs (e.g. prefill,decode,decode@fill: the sampler's, in "
                   "minutes); default: every program of the run.")
 flags.mark_flags_as_required(["config", "topology"])
@@ -82,7 +86,7 @@ def main(argv):
         model_cfg, model_name = _model(c)
         log = (lambda msg: None) if FLAGS.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
         result = planner.plan(c, _config_name(), target, model_cfg, model_name, mesh, cost=FLAGS.cost,
-                              only=tuple(FLAGS.programs), log=log)
+                              only=tuple(FLAGS.programs), sampler_rows=FLAGS.sampler_rows, log=log)
     except (ConfigError, ValueError, measure.CompileError) as e:
         sys.exit(f"plan: error: {e}")
     if FLAGS.json:

@@ -227,8 +227,7 @@ class Qwen(nnx.Module):
         for i in range(self.cfg.num_layers):
             w = {k: v[i] for k, v in params.items()}
             if self.cfg.lora is not None:  # a copy anyway: the adapters are merged into it
-                w = lora_lib.merged({k: v.astype(self.cfg.dtype) if not lora_lib.is_adapter(k) else v
-                                     for k, v in w.items()}, self.cfg.lora.scale)
+                w = lora_lib.merged(w, self.cfg.lora.scale)
             for group in _FUSED:
                 mats = [w.pop(name) for name in group]
                 n_in = _PROJECTIONS[group[0]][1]
@@ -512,7 +511,12 @@ def create_model(cfg: QwenConfig, *, seed: int = 0, mesh=None) -> Qwen:
 
 def model_state_arrays(model: Qwen) -> dict[str, jax.Array]:
     """{'layers/q_proj': array, ...}: flat view of the parameters."""
-    return {param_path(p): a for p, a in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))}
+    return flat_arrays(nnx.state(model, nnx.Param))
+
+
+def flat_arrays(state) -> dict[str, jax.Array]:
+    """{'layers/q_proj': array, ...} of an nnx.State of parameters."""
+    return {param_path(p): a for p, a in jax.tree_util.tree_leaves_with_path(state)}
 
 
 def count_params(cfg: QwenConfig) -> int:

@@ -3,7 +3,9 @@
 Memory is the compiler's `memory_analysis` of the exact program (arguments, new outputs,
 temporaries, code), plus the run's buffers that stay alive meanwhile (`Program.resident_bytes`),
 against the chip's usable memory. The TPU compiler refuses a program that does not fit; that
-refusal is a result ("does not fit", with the compiler's numbers), not an error.
+refusal is a result ("does not fit", with the compiler's numbers), not an error. A program whose
+parameters, optimizer state and resident buffers alone exceed the memory is not compiled at all
+(full fine-tuning of 7B on one GPU: minutes of compiling to learn what a sum says).
 
 Cost is the compiler's `cost_analysis` (FLOPs and HBM bytes per chip). It counts a loop body once,
 so each loop kind with more than one trip is compiled once more unrolled by two
@@ -45,7 +47,8 @@ class Result:
     code: int = 0
     resident: int = 0
     total: int = 0
-    refused: str = ""              # the compiler's reason when it refused the program
+    refused: str = ""              # the compiler's reason when it refused the program (or ours)
+    compiled: bool = True          # False: its state alone exceeds the memory (module docstring)
     flops: float | None = None     # per chip, per call
     hbm_bytes: float | None = None
     cost_source: str = ""          # 'compiler' or 'analytic'
@@ -59,6 +62,18 @@ class Result:
     @property
     def headroom(self) -> int:
         return self.usable_bytes - self.total
+
+    @property
+    def largest_part(self) -> tuple[str, int]:
+        """(name, bytes) of the largest of the parts its total adds up. A program the compiler
+        refused has one figure for all its own buffers (arguments, temporaries)."""
+        if self.refused and self.compiled:
+            parts = {"resident": self.resident, "its own buffers": self.total - self.resident}
+        else:
+            parts = {"params": self.params, "optimizer": self.optimizer, "inputs": self.inputs,
+                     "outputs": self.outputs, "temporaries": self.temporaries, "code": self.code,
+                     "resident": self.resident}
+        return max(parts.items(), key=lambda kv: kv[1])
 
 
 # compiler options of the cost compiles (TPU): no partitioner-made loops (module docstring)
@@ -77,6 +92,13 @@ def measure(program: Program, target: Target, *, cost: bool = True) -> Result:
     t0 = time.perf_counter()
     result = Result(program.name, program.shape, fits=False, compile_s=0.0, usable_bytes=target.usable_bytes,
                     resident=program.resident_bytes, analytic_flops=program.analytic_flops)
+    state = program.param_bytes + program.optimizer_bytes + program.resident_bytes
+    if state > target.usable_bytes:
+        result.params, result.optimizer, result.total = program.param_bytes, program.optimizer_bytes, state
+        result.compiled = False
+        result.refused = (f"not compiled: its parameters, optimizer state and resident buffers alone are "
+                          f"{state / (1 << 30):.1f} of {target.usable_bytes / (1 << 30):.1f} GiB")
+        return result
     try:
         compiled = program.lower().compile()
     except Exception as e:  # the TPU compiler refuses what does not fit

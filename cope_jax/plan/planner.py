@@ -4,16 +4,20 @@
 program the run executes (`programs.py`) and measures it (`measure.py`). `mesh='auto'` tries the
 tensor-parallel widths a host allows, smallest first, and keeps the first whose programs all fit, or
 else the one closest to fitting (the memory compiles only; the cost compiles run once, for the
-chosen mesh).
+chosen mesh). `sampler_rows='auto'` then finds the most sampler rows per host, up to the config's,
+whose programs fit beside the trainer's resident state (the mesh search then weighs the trainer's
+programs only: the sampler decodes on a mesh of its own, `run/replica.py`).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 
 import ml_collections
 
 from cope_jax.plan import checks, measure, programs, targets
+from cope_jax.run import run_config
 from models.config import QwenConfig
 
 
@@ -27,6 +31,8 @@ class Plan:
     results: list[measure.Result]
     warnings: list[str]
     seconds: float
+    sampler_rows: int = 0      # per host, as planned
+    rows_searched: bool = False  # sampler_rows found by the search (the most that fit)
 
     @property
     def fits(self) -> bool:
@@ -70,15 +76,22 @@ def _size(shape) -> int:
 
 
 def plan(c: ml_collections.ConfigDict, config_name: str, target: targets.Target, model_cfg: QwenConfig,
-         model_name: str, mesh, *, cost: bool = True, only: tuple[str, ...] = (), log=lambda msg: None) -> Plan:
-    """only: plan these programs (by name) and no others; () plans every one."""
+         model_name: str, mesh, *, cost: bool = True, only: tuple[str, ...] = (), sampler_rows: str | None = None,
+         log=lambda msg: None) -> Plan:
+    """only: plan these programs (by name) and no others; () plans every one. sampler_rows 'auto':
+    search `rollout.sampler_rows` (module docstring); None: the config's."""
     t0 = time.perf_counter()
     devices = targets.devices(target)
     hosts = targets.host_devices(target)
+    search_rows = sampler_rows == "auto"
     measured = {}
     if mesh == "auto":
-        mesh, measured = _auto_mesh(c, target, model_cfg, devices, hosts, log)
+        weighed = (lambda name: name not in programs.SAMPLER_PROGRAMS) if search_rows else (lambda name: True)
+        mesh, measured = _auto_mesh(c, target, model_cfg, devices, hosts, log, weighed)
     mesh = resolve_mesh(mesh, target)
+    if search_rows:
+        c, sampled = _auto_rows(c, target, model_cfg, devices, hosts, mesh, log)
+        measured.update(sampled)
     layout, progs = programs.run_programs(c, model_cfg, devices, mesh, hosts)
     unknown = sorted(set(only) - {p.name for p in progs})
     if unknown:
@@ -97,21 +110,58 @@ def plan(c: ml_collections.ConfigDict, config_name: str, target: targets.Target,
     if hosts is not None:
         warnings.append(f"{target.chip.kind}: the TPU compiler takes only programs over the whole slice; the "
                         f"sampler's per-host programs were compiled for a one-host slice of {len(hosts)} chips")
-    return Plan(config_name, model_name, target, mesh, model_cfg, results, warnings, time.perf_counter() - t0)
+    return Plan(config_name, model_name, target, mesh, model_cfg, results, warnings, time.perf_counter() - t0,
+                sampler_rows=run_config.sampler_rows(c, layout.hosts), rows_searched=search_rows)
 
 
-def _auto_mesh(c, target, model_cfg, devices, hosts, log):
-    """The smallest tensor-parallel width (within a host) at which every program fits, and the
-    memory results of its programs. When none fits, the width whose tightest program comes closest."""
+def _auto_mesh(c, target, model_cfg, devices, hosts, log, weighed):
+    """The smallest tensor-parallel width (within a host) at which every program `weighed` (by name)
+    fits, and the memory results of those programs. When none fits, the width whose tightest
+    program comes closest."""
     widths = [t for t in (1, 2, 4, 8) if t <= target.chips_per_host and target.chips % t == 0]
     tried = []
     for tp in widths:
         mesh = (1, target.chips // tp, tp)
         log(f"mesh auto: trying {mesh}")
-        measured = {p.name: measure.measure(p, target, cost=False)
-                    for p in programs.run_programs(c, model_cfg, devices, mesh, hosts)[1]}
+        measured = {}
+        for p in programs.run_programs(c, model_cfg, devices, mesh, hosts)[1]:
+            if weighed(p.name):
+                measured[p.name] = measure.measure(p, target, cost=False)
+                if not measured[p.name].compiled:
+                    break  # its state alone does not fit: the mesh is out, its other compiles moot
         if all(r.fits for r in measured.values()):
             return mesh, measured
         tried.append((max(r.total / r.usable_bytes for r in measured.values()), mesh, measured))
     _, mesh, measured = min(tried, key=lambda t: t[0])
     return mesh, measured
+
+
+def _auto_rows(c, target, model_cfg, devices, hosts, mesh, log):
+    """(the config with the most sampler rows per host that fit, their sampler programs' memory
+    results): the config's own rows when they fit, else the largest power of two below them that
+    does (bisected: a program's memory grows with its rows), else one row (which does not fit)."""
+    host_count = len({d.process_index for d in devices})
+    probed = {}
+
+    def probe(rows: int) -> bool:
+        trial = copy.deepcopy(c)
+        trial.rollout.sampler_rows = rows
+        log(f"sampler rows auto: trying {rows} per host")
+        progs = programs.run_programs(trial, model_cfg, devices, mesh, hosts)[1]
+        probed[rows] = trial, {p.name: measure.measure(p, target, cost=False)
+                               for p in progs if p.name in programs.SAMPLER_PROGRAMS}
+        return all(r.fits for r in probed[rows][1].values())
+
+    most = run_config.sampler_rows(c, host_count)
+    if probe(most):
+        return probed[most]
+    best, lo, hi = 1, 0, (most - 1).bit_length() - 1  # exponents of the powers of two below `most`
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if probe(1 << mid):
+            best, lo = 1 << mid, mid + 1
+        else:
+            hi = mid - 1
+    if best not in probed:
+        probe(best)
+    return probed[best]

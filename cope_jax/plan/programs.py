@@ -33,6 +33,7 @@ from cope_jax.learning.methods import get_method, needing
 from cope_jax.rollout.sampler import Sampler
 import models
 from models import attention as attn
+from models import lora
 from models import qwen
 from models import sharding as shd
 from models.config import QwenConfig
@@ -50,6 +51,9 @@ class Loop(NamedTuple):
     times: int = 1
     whole: bool = False
     traced: bool = False  # its trip count is the data's (`loops.fori` on a traced count): `trips` is the planned one
+
+
+SAMPLER_PROGRAMS = ("prefill", "decode", "decode@fill")  # the rest are the trainer's
 
 
 @dataclasses.dataclass
@@ -165,11 +169,28 @@ def _trainer_programs(c, model_cfg, layout: Layout, graphdef, state, spec) -> li
                 forward_flops(model_cfg, T, T, platform, packed=True, logits=True) * rows * T / ways),
     ]
     if c.warmstart.steps > 0:
-        ws_loss, _ = run_config.warmstart_configs(c)
-        out.append(Program("warmstart_step", step(ws_loss, get_method("warmstart")), shape, rows * T, train_loops, layout.params_bytes,
-                           layout.optimizer_bytes, layout.replica_bytes,
-                           _train_flops(model_cfg, T, platform) * rows * T / ways))
+        out.append(_warmstart_program(c, model_cfg, layout, shape, train_loops, ways))
     return out
+
+
+def _warmstart_program(c, model_cfg, layout: Layout, shape: str, loops, ways: int) -> Program:
+    """The warm start's step. It trains every weight, LoRA or not (`stages/warmstart.py`): under
+    LoRA through the base view, so its state is the frozen-dtype base with AdamW moments of every
+    weight, and the adapters are what stays alive beside it."""
+    mesh, rows, T = layout.mesh, layout.rows_per_micro, int(c.train.row_len)
+    ws_loss, ws_opt = run_config.warmstart_configs(c)
+    ws_cfg = model_cfg if model_cfg.lora is None else qwen.frozen_config(model_cfg)
+    graphdef, state = ts.abstract_train_state(ws_cfg, ws_opt, mesh)
+    params, optimizer = per_chip_bytes(state[0]), per_chip_bytes(state[1])
+    adapters = layout.params_bytes - params if model_cfg.lora is not None else 0
+    shardings = jax.tree.map(lambda a: a.sharding, state)
+    terms = ws_loss.active_terms(get_method("warmstart").terms)
+    batch = ts.abstract_batch((1, rows, T), terms, mesh)
+    coefs = {t: jax.ShapeDtypeStruct((), jnp.float32) for t in terms}
+    program = ts.step_program(graphdef, shardings, ws_loss, mesh)
+    return Program("warmstart_step", lambda: program.lower(state, batch, coefs, None), shape, rows * T, loops,
+                   params, optimizer, layout.replica_bytes + adapters,
+                   _train_flops(ws_cfg, T, _platform(mesh)) * rows * T / ways)
 
 
 def _model_part(graphdef, state):
@@ -251,12 +272,23 @@ def forward_flops(cfg: QwenConfig, T: int, S: int, platform: str, *, packed: boo
     return 2 * layer_matmul_params(cfg) + _attention_flops(cfg, _keys_computed(cfg, T, S, packed, platform)) + head
 
 
+def adapter_matmul_params(cfg: QwenConfig) -> int:
+    """Adapter weights multiplied per token (A and B of every targeted projection, all layers)."""
+    if cfg.lora is None:
+        return 0
+    return sum(math.prod(s) for n, s in qwen.param_shapes(cfg).items() if lora.is_adapter(n))
+
+
 def _train_flops(cfg: QwenConfig, T: int, platform: str) -> float:
-    """6 N per token for the layers (+2 N recomputed under full remat); attention forward, recomputed
-    under any remat (its dots have batch dimensions), and backward (twice the forward for dense;
-    blockwise recomputes each block's scores: 2.5 times); and the chunked head: forward, recomputed
-    logits, and the two gradient products."""
-    matmul = (6 + (2 if cfg.remat == "full" else 0)) * layer_matmul_params(cfg)
+    """Per token: the layers' forward 2 N, the gradient to their inputs 2 N, the gradient to their
+    weights 2 N unless LoRA freezes them, +2 N recomputed under full remat (the adapters' A, B count
+    all of it); attention forward, recomputed under any remat (its dots have batch dimensions), and
+    backward (twice the forward for dense; blockwise recomputes each block's scores: 2.5 times); and
+    the chunked head: forward, recomputed logits, and the two gradient products (its custom
+    backward computes the weight's gradient under LoRA too)."""
+    remat = 2 if cfg.remat == "full" else 0
+    weight_grads = 2 if cfg.lora is None else 0
+    matmul = (4 + weight_grads + remat) * layer_matmul_params(cfg) + (6 + remat) * adapter_matmul_params(cfg)
     backward = 2 if _chosen(cfg, T, T, True, platform) == "dense" else 2.5
     passes = 1 + (1 if cfg.remat != "none" else 0) + backward
     attention = passes * _attention_flops(cfg, _keys_computed(cfg, T, T, True, platform))

@@ -38,7 +38,9 @@ def header(plan: Plan) -> list[str]:
         f"{m.dtype} compute, remat {m.remat})",
         f"target: {t.name} ({t.chips} x {chip.kind}, {t.hosts} host{'s' if t.hosts > 1 else ''}; "
         f"{t.usable_bytes / GIB:.2f} GiB usable per chip, {_si(chip.peak_flops, 'FLOP/s')} bf16, "
-        f"{_si(chip.hbm_bandwidth, 'B/s')} HBM); mesh data {plan.mesh[0]}, fsdp {plan.mesh[1]}, tp {plan.mesh[2]}",
+        f"{_si(chip.hbm_bandwidth, 'B/s')} HBM); mesh data {plan.mesh[0]}, fsdp {plan.mesh[1]}, tp {plan.mesh[2]}; "
+        f"sampler rows per host {plan.sampler_rows}"
+        + (" (searched: the most that fit, up to the config's)" if plan.rows_searched else ""),
     ]
 
 
@@ -73,20 +75,30 @@ def table(plan: Plan) -> str:
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in body]
     for r in plan.results:
         if r.refused:
-            lines.append(f"{r.program}: the compiler refused it: {r.refused}")
+            lines.append(f"{r.program}: does not fit: {r.refused}")
         if r.note:
             lines.append(f"{r.program}: {r.note}")
     if any(r.cost_source == "analytic" for r in plan.results):
         lines.append("* analytic FLOPs (no compiler cost for this program)")
     lines += [f"warning: {w}" for w in plan.warnings]
-    lines.append(("fits" if plan.fits else "does NOT fit") + f" ({plan.seconds:.0f} s)")
+    lines.append(("fits" if plan.fits else f"does NOT fit: {tightest(plan)}") + f" ({plan.seconds:.0f} s)")
     return "\n".join(lines)
+
+
+def tightest(plan: Plan) -> str:
+    """'decode 177.0 of 59.4 GiB, largest part inputs 112.0': the program furthest over (or
+    closest to) its memory, and what of it weighs most."""
+    r = max(plan.results, key=lambda r: r.total / r.usable_bytes)
+    part, size = r.largest_part
+    return f"{r.program} {_gib(r.total)} of {_gib(r.usable_bytes)} GiB, largest part {part} {_gib(size)}"
 
 
 def json_records(plan: Plan) -> list[dict]:
     base = dict(config=plan.config, model=plan.model, topology=plan.target.name, chips=plan.target.chips,
                 mesh=list(plan.mesh))
-    out = [dict(base, **dataclasses.asdict(r)) for r in plan.results]
+    out = [dict(base, **dataclasses.asdict(r), largest_part=list(r.largest_part)) for r in plan.results]
     out.append(dict(base, summary=True, fits=plan.fits, warnings=plan.warnings, seconds=round(plan.seconds, 1),
-                    usable_bytes=plan.target.usable_bytes))
+                    usable_bytes=plan.target.usable_bytes, sampler_rows=plan.sampler_rows,
+                    rows_searched=plan.rows_searched, lora_rank=None if plan.model_cfg.lora is None
+                    else plan.model_cfg.lora.rank, tightest=tightest(plan) if plan.results else ""))
     return out

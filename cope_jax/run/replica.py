@@ -78,7 +78,7 @@ class SamplingReplica:
         lora = model.cfg.lora
 
         def cast(p):  # LoRA adapters merged into the copy: it decodes at the base model's cost
-            flat = {qwen.param_path(k): a for k, a in jax.tree_util.tree_leaves_with_path(p)}
+            flat = qwen.flat_arrays(p)
             flat = flat if lora is None else lora_lib.merged(flat, lora.scale)
             return qwen.with_arrays(abstract, lambda name: flat[name].astype(cfg.param_dtype))
         if jax.process_count() == 1:

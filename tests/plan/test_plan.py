@@ -248,7 +248,7 @@ def test_a_run_that_does_not_fit_exits_2_with_the_compilers_numbers():
     assert step["program"] == "train_step" and not step["fits"] and "exceeds available HBM" in step["refused"]
     assert step["total"] > 10 * step["usable_bytes"] and not records[-1]["fits"]
     rc, out, _ = _run("--config=configs/demo.py", "--topology=v5e-8", "--nocost", *TINY, *dense)
-    assert rc == 2 and "does NOT fit" in out and "NO (" in out and "the compiler refused it" in out
+    assert rc == 2 and "does NOT fit" in out and "NO (" in out and "train_step: does not fit: " in out
 
 
 @pytest.mark.parametrize("topology", ["1xH100", "tpu7x-8"])
