@@ -85,8 +85,9 @@ def base_config(method: str = "cope") -> ml_collections.ConfigDict:
         grad_norm_terms=(),
         # low-rank adapters (models/lora.py): rank unset = full fine-tuning. rank >= 1 freezes the base
         # weights in model.dtype and trains only adapters on `targets` (alpha 0: alpha = rank, so the
-        # update's scale alpha / rank is 1), for the warm start and RL alike; the KL reference is the
-        # base (the adapters off). LoRA usually wants a learning rate ~10x full fine-tuning's
+        # update's scale alpha / rank is 1) in RL; a warm start, when configured, trains every weight
+        # of the base first. The KL reference is the base (the adapters off). LoRA usually wants a
+        # learning rate ~10x full fine-tuning's
         lora=ml_collections.ConfigDict(dict(
             rank=config_dict.placeholder(int), alpha=0.0, dropout=0.0,
             targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))),

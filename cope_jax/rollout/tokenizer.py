@@ -152,9 +152,10 @@ class SentencePieceTokenizer(_SpecialTokens):
         with open(path, "rb") as f:
             return cls(f.read(), name=os.path.basename(path))
 
-    def save(self, path: str) -> None:
-        with open(path, "wb") as f:
-            f.write(self._proto)
+    @property
+    def model_proto(self) -> bytes:
+        """The serialized model (what `load_tokenizer` reads back from a `.model` file)."""
+        return self._proto
 
     def encode(self, text: str) -> list[int]:
         return list(self._sp.encode(text))

@@ -19,7 +19,7 @@ import ml_collections
 import models
 from models import model_dir
 from models.config import ConfigError
-from cope_jax.run import distributed, run_config
+from cope_jax.run import distributed, files, run_config
 from cope_jax.run import metrics as metrics_lib
 from cope_jax.rollout.chat import ChatFormat
 from cope_jax.run.demos import play_actions
@@ -97,9 +97,7 @@ def build(config: ml_collections.ConfigDict, workdir: str) -> Components:
         pool.close()
         raise
     if saved_config is None and is_main:
-        os.makedirs(workdir, exist_ok=True)
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            json.dump(json.loads(c.to_json()), f, indent=2, sort_keys=True)
+        files.write_json(os.path.join(workdir, "config.json"), json.loads(c.to_json()), indent=2, sort_keys=True)
     log = metrics_lib.MetricsLog(workdir, enabled=is_main)
     return Components(config=c, workdir=workdir, is_main=is_main, spec=spec, loss_cfg=loss_cfg, opt_cfg=opt_cfg,
                       forecast_cfg=forecast_cfg, max_fault_fraction=max_fault_fraction, family=family, pool=pool,
@@ -179,8 +177,7 @@ def _tokenizer(c: ml_collections.ConfigDict, family, pool: EnvPool, workdir: str
         if not os.path.isfile(path):
             vocab = int(spec.split(":")[1])
             trained = train_sentencepiece(_corpus(c, family, pool), vocab_size=vocab)
-            os.makedirs(workdir, exist_ok=True)
-            trained.save(path)
+            files.write_bytes(path, trained.model_proto)
         with open(path, "rb") as f:
             proto = f.read()
     return SentencePieceTokenizer(distributed.broadcast_object(proto), name=TOKENIZER_FILE)

@@ -17,8 +17,10 @@ from collections import defaultdict
 from typing import Any, Sequence
 
 import numpy as np
+from absl import logging
 
 from cope_jax.rollout.trajectory import Trajectory
+from cope_jax.run import files
 
 
 def summarize(trajectories: Sequence[Trajectory], *, overall: str = "count-weighted") -> dict[str, Any]:
@@ -105,14 +107,19 @@ class MetricsLog:
             from tensorboardX import SummaryWriter
 
             os.makedirs(workdir, exist_ok=True)
+            _cut_torn_tail(self.path)  # or the next record would be glued to it
             self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
     def write(self, kind: str, step: int, values: dict[str, Any]) -> None:
         if not self.enabled:
             return
         record = {"kind": kind, "step": int(step), **values}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record, sort_keys=True, default=float) + "\n")
+        line = (json.dumps(record, sort_keys=True, default=float) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)  # one write of the whole record: a kill leaves it whole or torn at the end
+        finally:
+            os.close(fd)
         for name, v in values.items():
             if isinstance(v, (int, float, np.floating, np.integer)) and math.isfinite(float(v)):
                 self._tb.add_scalar(f"{kind}/{name}", float(v), int(step))
@@ -124,11 +131,42 @@ class MetricsLog:
 
 
 def read_log(workdir: str) -> list[dict[str, Any]]:
+    """The records of `workdir/metrics.jsonl`. A torn last record (a kill or power loss mid-append)
+    is left out with one warning; a damaged record before the last is an error naming its line."""
     path = os.path.join(workdir, "metrics.jsonl")
     if not os.path.isfile(path):
         return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            if any(rest.strip() for rest in lines[i + 1:]):
+                raise ValueError(f"{path}: line {i + 1} is not a JSON record (a damaged log; the records after "
+                                 "it are intact: remove that line to go on)") from None
+            _warn_torn(path, i + 1)
+    return records
+
+
+def _warn_torn(path: str, line: int) -> None:
+    logging.warning("%s: its last record (line %d) is torn (the run was killed mid-write): left out", path, line)
+
+
+def _cut_torn_tail(path: str) -> None:
+    """Removes an unfinished last line (no newline at its end) from an append-only log."""
+    if not os.path.isfile(path):
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if not data or data.endswith(b"\n"):
+            return
+        keep = data.rfind(b"\n") + 1
+        _warn_torn(path, data[:keep].count(b"\n") + 1)
+        f.truncate(keep)
 
 
 def latest_records(records: Sequence[dict], kind: str) -> dict[int, dict]:
@@ -161,7 +199,8 @@ def plot_learning_curves(workdir: str, path: str | None = None) -> str:
         ax.legend()
     fig.suptitle(os.path.basename(os.path.normpath(workdir)))
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with files.replacing(path) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)
     return path
 
@@ -169,12 +208,10 @@ def plot_learning_curves(workdir: str, path: str | None = None) -> str:
 def write_eval_report(workdir: str, results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> dict[str, str]:
     """eval.json, eval.md (a Score/Succ table) and learning_curves.png in `workdir`."""
     paths = {"json": os.path.join(workdir, "eval.json"), "markdown": os.path.join(workdir, "eval.md")}
-    with open(paths["json"], "w") as f:
-        json.dump({**meta, "results": results}, f, indent=2, sort_keys=True)
-    with open(paths["markdown"], "w") as f:
-        f.write(f"# Evaluation: {meta.get('config', '')}\n\n")
-        f.write(", ".join(f"{k}: {v}" for k, v in meta.items() if k != "config") + "\n\n")
-        f.write(markdown_table(results))
-        f.write("\nTest success (± its binomial standard error over the episodes):\n\n" + success_table(results))
+    files.write_json(paths["json"], {**meta, "results": results}, indent=2, sort_keys=True)
+    files.write_text(paths["markdown"], f"# Evaluation: {meta.get('config', '')}\n\n"
+                     + ", ".join(f"{k}: {v}" for k, v in meta.items() if k != "config") + "\n\n"
+                     + markdown_table(results)
+                     + "\nTest success (± its binomial standard error over the episodes):\n\n" + success_table(results))
     paths["plot"] = plot_learning_curves(workdir)
     return paths

@@ -17,7 +17,7 @@ from cope_jax.rollout.runner import RolloutConfig
 from cope_jax.learning.train_step import OptimizerConfig
 from models import presets
 from models.config import ConfigError, QwenConfig
-from models.lora import LoraConfig, LoraConfigError
+from models.lora import PROJECTIONS, LoraConfig, LoraConfigError
 
 
 WARMSTART_SCHEDULES = ("constant", "cosine")  # warmstart.lr_schedule
@@ -94,7 +94,12 @@ def execution(c: ml_collections.ConfigDict) -> dict:
 def lora_config(c: ml_collections.ConfigDict) -> LoraConfig | None:
     """`train.lora` as adapters (None: rank unset, full fine-tuning); a bad field is refused."""
     lora = c.train.lora
-    if lora.rank is None:
+    if lora.rank is None:  # full fine-tuning: another LoRA field set means a rank was forgotten
+        unset = dict(alpha=0.0, dropout=0.0, targets=PROJECTIONS)
+        stray = [f"train.lora.{k}" for k, v in unset.items() if (tuple(lora[k]) if k == "targets" else lora[k]) != v]
+        if stray:
+            raise ConfigError(f"{', '.join(stray)} set without train.lora.rank: give a rank (e.g. "
+                              "--config.train.lora.rank=64) to train adapters, or drop them for full fine-tuning")
         return None
     if lora.dropout:
         raise ConfigError(f"train.lora.dropout={lora.dropout}: only 0 is supported (a dropped-out forward would "

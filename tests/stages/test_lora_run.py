@@ -45,6 +45,7 @@ def test_a_lora_run_trains_the_adapters_on_the_warm_started_base(tmp_path):
 
 
 @pytest.mark.parametrize("field, value, message", [
+    ("rank", None, "train.lora.alpha set without train.lora.rank: give a rank"),
     ("rank", -1, "train.lora.rank=-1: expected a whole number >= 1"),
     ("rank", 0, "train.lora.rank=0: expected a whole number >= 1"),
     ("targets", ("q_proj", "qkv"), "unknown projection 'qkv'"),
@@ -54,7 +55,7 @@ def test_a_bad_lora_field_is_refused_before_anything_is_written(tmp_path, field,
     from cope_jax.run.build import build
 
     c = tiny_config("grpo")
-    c.train.lora.rank = 4
+    c.train.lora.update(rank=4, alpha=8.0)
     c.train.lora[field] = value
     with pytest.raises(ConfigError, match=message):
         build(c, str(tmp_path / "run"))
