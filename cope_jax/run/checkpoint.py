@@ -147,9 +147,15 @@ class TrainCheckpointer:
 
 
 def _first_line(e: BaseException) -> str:
-    """The first line of an exception's message (Orbax's errors run to dozens of lines)."""
+    """The first line of an exception's message (Orbax's errors run to dozens of lines), without
+    TensorStore's dump of its spec, and with the first line of its cause (where TensorStore says
+    which file is short)."""
     text = str(e).strip()
-    return " ".join(text.splitlines()[0].split())[:300] if text else type(e).__name__
+    line = " ".join(text.splitlines()[0].split()).split(" See full TensorStore details")[0] if text else ""
+    cause = e.__cause__
+    if cause is not None and str(cause).strip():
+        line = f"{line} ({_first_line(cause)})" if line else _first_line(cause)
+    return (line or type(e).__name__)[:400]
 
 
 # -- leaves and typed PRNG keys ---------------------------------------------------------------------

@@ -97,22 +97,28 @@ def _with_error(p: float, n: int | None) -> str:
 
 
 class MetricsLog:
-    """metrics.jsonl + TensorBoard scalars under `workdir` (process 0 only)."""
+    """metrics.jsonl + TensorBoard scalars under `workdir` (process 0 only). Nothing is touched
+    before the first record: a job refused early (`launch.eval` on a damaged checkpoint) leaves the
+    workdir as it was."""
 
     def __init__(self, workdir: str, *, enabled: bool = True):
+        self.workdir = workdir
         self.path = os.path.join(workdir, "metrics.jsonl")
         self.enabled = enabled
         self._tb = None
-        if enabled:
-            from tensorboardX import SummaryWriter
 
-            os.makedirs(workdir, exist_ok=True)
-            _cut_torn_tail(self.path)  # or the next record would be glued to it
-            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+    def _open(self) -> None:
+        from tensorboardX import SummaryWriter
+
+        os.makedirs(self.workdir, exist_ok=True)
+        _cut_torn_tail(self.path)  # or the next record would be glued to it
+        self._tb = SummaryWriter(os.path.join(self.workdir, "tensorboard"))
 
     def write(self, kind: str, step: int, values: dict[str, Any]) -> None:
         if not self.enabled:
             return
+        if self._tb is None:
+            self._open()
         record = {"kind": kind, "step": int(step), **values}
         line = (json.dumps(record, sort_keys=True, default=float) + "\n").encode()
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

@@ -73,22 +73,41 @@ def eval_run(config, workdir: str, *, checkpoint: int | None = None, split: str 
     if reused is not None:
         summary = _from_record(reused) | {k: reused[k] for k in ("split", "samples")}
         return _report(config, workdir, step, summary, logged, is_main=jax.process_index() == 0)
-    parts = build(config, workdir)
+    parts = build(config, workdir)  # writes nothing: the workdir is a run's already
     try:
-        ckpt = TrainCheckpointer(ckpt_dir)
         if not step:
             warmstart(parts)  # loads the finished warm start (checked above), never trains
         else:
             if parts.model.cfg.lora is not None and parts.config.warmstart.steps > 0:
                 warmstart(parts)  # the base of the run's adapters
-            _, state, _, _ = ckpt.restore(step, abstract_state={"params": trained_params(parts.model)})
-            nnx.update(parts.model, state["params"])
-        ckpt.close()
+            with TrainCheckpointer(ckpt_dir) as ckpt:
+                nnx.update(parts.model, _restore_params(ckpt, step, trained_params(parts.model)))
         summary = evaluate(parts, step, split=split, samples=samples, tasks=tasks, name="eval_binary",
                            progress=progress)
         return _report(config, parts.workdir, step, summary, logged, is_main=parts.is_main)
     finally:
         parts.close()
+
+
+def _restore_params(ckpt, step: int, abstract):
+    """The parameters of checkpoint `step`; an unreadable one is refused in one line that names the
+    newest intact step and the flag that evaluates it."""
+    from cope_jax.run.checkpoint import CheckpointError
+
+    def readable(s):
+        try:
+            ckpt.restore(s, abstract_state={"params": abstract})
+            return True
+        except CheckpointError:
+            return False
+
+    try:
+        return ckpt.restore(step, abstract_state={"params": abstract})[1]["params"]
+    except CheckpointError as e:
+        intact = next((s for s in sorted(ckpt.all_steps(), reverse=True) if s != step and readable(s)), None)
+        hint = (f"step {intact} is intact: pass --checkpoint={intact} to evaluate it" if intact is not None
+                else "no other checkpoint step is intact (--checkpoint=0 evaluates the starting policy)")
+        raise CheckpointError(f"{e}; {hint}") from e
 
 
 def _config_evaluation(config, split, samples, tasks) -> bool:

@@ -150,3 +150,60 @@ def test_hosts_that_read_every_step_resume_from_the_newest(monkeypatch):
     _hosts(monkeypatch, _Checkpoints([2, 3]))
     step, _, _, _ = resume_from(_Checkpoints([2, 3]), {"params": 0}, "latest", is_main=True)
     assert step == 3
+
+
+def _tree(root):
+    """{path: (size, mtime)} of every file and folder under root."""
+    out = {}
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(dirpath, name)
+            st = os.stat(path)
+            out[os.path.relpath(path, root)] = (st.st_size if name in files else 0, st.st_mtime_ns)
+    return out
+
+
+def test_eval_of_a_damaged_checkpoint_is_one_line_naming_the_intact_step_and_writes_nothing(straight, tmp_path):
+    """launch.eval on a run whose newest step has a truncated array file: one line on stderr naming
+    the step, the newest intact one and the flag that evaluates it, rc 1, and the workdir untouched
+    (no TensorBoard file, no report) before and after."""
+    import subprocess
+    import sys
+
+    from tests.paths import ROOT
+
+    c, source = straight
+    workdir = str(tmp_path / "run")
+    shutil.copytree(source, workdir)
+    CORRUPTIONS["truncated data file"][0](os.path.join(workdir, "checkpoints", "3"))
+    before = _tree(workdir)
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    config = os.path.join(workdir, "config.py")
+    flags = [f"--config={os.path.join(ROOT, 'configs', 'demo.py')}:grpo"]
+    # the fixture's tiny config, as flags on the demo config (launch.eval reads a config file)
+    flags += [f"--config.{k}={v}" for k, v in _flat_overrides(c).items()]
+    proc = subprocess.run([sys.executable, "-m", "launch.eval", *flags, f"--workdir={workdir}", "--noprogress"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and proc.stdout == "", proc.stderr
+    assert len(lines) == 1, proc.stderr
+    msg = lines[0]
+    assert msg.startswith("eval: error: checkpoint step 3 (") and "is unreadable" in msg, msg
+    assert msg.endswith("; step 2 is intact: pass --checkpoint=2 to evaluate it"), msg
+    assert "TensorStore details" not in msg and "<bound method" not in msg, msg
+    assert _tree(workdir) == before and not os.path.exists(config)
+
+
+def _flat_overrides(c):
+    """{dotted field: value} of every leaf where the tiny config differs from the demo's grpo config."""
+    from configs import demo
+
+    def flat(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                yield from flat(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}", v
+    base = dict(flat(demo.get_config("grpo").to_dict()))
+    return {k: (f"({','.join(map(repr, v))},)" if isinstance(v, tuple) else v)
+            for k, v in flat(c.to_dict()) if base.get(k) != v}
