@@ -88,12 +88,27 @@ def load_params(directory: str, cfg: QwenConfig, mesh=None) -> qwen.Qwen:
         return jax.ShapeDtypeStruct(tuple(leaf.shape), dtype, sharding=sharding)
 
     abstract = jax.tree_util.tree_map_with_path(target, tree)
-    with ocp.StandardCheckpointer() as checkpointer:
-        restored = checkpointer.restore(params_dir(directory), abstract)
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            restored = checkpointer.restore(params_dir(directory), abstract)
+    except Exception as e:  # TensorStore's errors are plain Exceptions
+        raise CheckpointError(f"{directory}: the Orbax params are unreadable: {error_line(e)}") from e
     values = {path: _at(restored, keypath) for path, (keypath, _) in flat.items()}
     graphdef, state = nnx.split(qwen.abstract_model(cfg, mesh))
     state = jax.tree_util.tree_map_with_path(lambda kp, _: values[qwen.param_path(kp)], state)
     return nnx.merge(graphdef, state)
+
+
+def error_line(e: BaseException) -> str:
+    """The first line of an Orbax / TensorStore error (they run to dozens of lines), without
+    TensorStore's dump of its spec, and with the first line of its cause (where TensorStore says
+    which file is short)."""
+    text = str(e).strip()
+    line = " ".join(text.splitlines()[0].split()).split(" See full TensorStore details")[0] if text else ""
+    cause = e.__cause__
+    if cause is not None and str(cause).strip():
+        line = f"{line} ({error_line(cause)})" if line else error_line(cause)
+    return (line or type(e).__name__)[:400]
 
 
 def _at(tree, keypath):

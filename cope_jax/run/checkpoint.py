@@ -22,6 +22,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from models.orbax_io import error_line
 from models.safetensors_io import CheckpointError
 
 DATA_ITEM = "data_state"
@@ -117,7 +118,7 @@ class TrainCheckpointer:
             data_state, config = dict(restored[DATA_ITEM]), dict(restored[CONFIG_ITEM])
         except Exception as e:  # Orbax, TensorStore and JSON each raise their own types
             raise CheckpointError(f"checkpoint step {step} ({self.step_dir(step)}) is unreadable: "
-                                  f"{_first_line(e)}") from e
+                                  f"{error_line(e)}") from e
         return step, state, data_state, config
 
     def set_aside(self, step: int) -> str:
@@ -146,16 +147,6 @@ class TrainCheckpointer:
         self.close()
 
 
-def _first_line(e: BaseException) -> str:
-    """The first line of an exception's message (Orbax's errors run to dozens of lines), without
-    TensorStore's dump of its spec, and with the first line of its cause (where TensorStore says
-    which file is short)."""
-    text = str(e).strip()
-    line = " ".join(text.splitlines()[0].split()).split(" See full TensorStore details")[0] if text else ""
-    cause = e.__cause__
-    if cause is not None and str(cause).strip():
-        line = f"{line} ({_first_line(cause)})" if line else _first_line(cause)
-    return (line or type(e).__name__)[:400]
 
 
 # -- leaves and typed PRNG keys ---------------------------------------------------------------------

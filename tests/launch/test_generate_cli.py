@@ -83,3 +83,20 @@ def test_bad_flags_fail_with_one_line(model_dir, args, message):
     rc, lines, err = _run(*[a.replace("MODEL", directory) for a in args])
     assert rc == 1 and not lines
     assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_damaged_orbax_directory_is_one_line_naming_it(model_dir, tmp_path):
+    """An array file cut in half (a kill mid-copy): one line naming the directory and the short
+    file, rc 1, no traceback, no TensorStore spec dump."""
+    directory, _ = model_dir
+    model, _ = models.load_model(directory)
+    orbax_dir = str(tmp_path / "orbax")
+    save_orbax(model, orbax_dir, carry_from=directory)
+    files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(orbax_dir, "params")) for f in fs]
+    largest = max(files, key=os.path.getsize)
+    with open(largest, "r+b") as f:
+        f.truncate(os.path.getsize(largest) // 2)
+    rc, lines, err = _run(f"--model={orbax_dir}", "--prompt_ids=1,2,3", "--max_new_tokens=2")
+    assert rc == 1 and lines == [] and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"generate: error: {orbax_dir}: the Orbax params are unreadable: "), err
+    assert "TensorStore details" not in err and "is not valid for value of size" in err, err
