@@ -44,6 +44,9 @@ def base_config(method: str = "cope") -> ml_collections.ConfigDict:
         # episode (ceil(sampler_rows / workers)). Each ScienceWorld instance is its own JVM (~0.3 GB)
         envs_per_worker=0,
         max_rounds_train=20, max_rounds_eval=30, call_timeout=0.0,  # 0: the family's default
+        # an episode lost to its worker (the process died or hung) is played again from its start
+        # up to this many times before it counts as a fault (cope_jax/rollout/runner.py)
+        max_replays=2,
     ))
     c.rollout = ml_collections.ConfigDict(dict(
         tasks_per_step=16, group_size=8,  # train batch (all hosts together): 16 tasks x 8 rollouts

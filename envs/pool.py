@@ -10,8 +10,10 @@ Failure model: every request has a deadline (the family's call timeout). A worke
 (SIGKILL, segfault, exit) or misses a deadline is killed with its whole process group (its JVMs
 too) and replaced by a fresh one; the episode whose call failed gets an EnvResult with
 `error='crashed'|'timeout'`, done=True, success=False and a `reason`; other episodes living on the
-same worker fail the same way at their next call. An exception inside an environment fails only
-that episode (`error='env_error'`). `poll` never raises for environment faults, so a batch always
+same worker fail the same way at their next call. Resets the lost worker had not been sent yet go
+back to the family's queue (nothing of them had started). An exception inside an environment
+fails only that episode (`error='env_error'`). The rollout loop replays episodes lost to a worker
+(cope_jax/rollout/runner.py). `poll` never raises for environment faults, so a batch always
 completes; caller mistakes (stepping an unknown episode) do raise.
 
 No orphans: workers lead their own process group, which `close()` (also run by the context manager,
@@ -92,6 +94,7 @@ class _EpisodeSlot:
     busy: bool = True                          # a call of it has no answer yet
     score: float = 0.0
     lost: str | None = None                    # set when its worker died while it was idle
+    lost_pid: int | None = None                # that worker's pid
     released: bool = False
 
 
@@ -210,7 +213,7 @@ class EnvPool:
         ep.busy = True
         req = _Request("step", episode, {"op": "step", "action": action}, time.monotonic())
         if ep.lost is not None:
-            self._fail(req, "crashed", ep.lost)
+            self._fail(req, "crashed", ep.lost, ep.lost_pid)
             return
         req.payload["slot"] = ep.slot
         ep.worker.queue.append(req)
@@ -403,20 +406,26 @@ class EnvPool:
             else:
                 failed.append((req, "crashed", f"worker lost: {detail}"))
         w.inflight = {}
-        # Calls queued behind the failed one: lost with the worker (or with its failed start).
+        # Calls queued behind the failed one: a reset not yet sent starts afresh on a live worker;
+        # the others were lost with the worker (or with its failed start).
         queued_error = "start_failed" if error == "start_failed" else "crashed"
-        failed += [(req, queued_error, f"worker lost: {detail}") for req in w.queue]
+        unsent = [req for req in w.queue if req.kind == "reset" and queued_error == "crashed"]
+        failed += [(req, queued_error, f"worker lost: {detail}") for req in w.queue if req not in unsent]
         w.queue.clear()
         for req, err, why in failed:
             self._fail(req, err, why, pid)
         for episode in w.slots:
             ep = self._episodes.get(episode) if episode is not None else None
             if ep is not None and ep.worker is w and not ep.busy:
-                ep.lost = f"worker lost while idle: {detail}"
+                ep.lost, ep.lost_pid = f"worker lost while idle: {detail}", pid
         w.slots = [None] * len(w.slots)
-        if self._closed or w.family in self._broken:
-            return
-        self._spawn(w)
+        for req in reversed(unsent):  # in their order, ahead of later resets
+            self._episodes[req.episode].worker, self._episodes[req.episode].slot = None, -1
+            del req.payload["slot"]
+            self._waiting[w.family].appendleft(req)
+        if not (self._closed or w.family in self._broken):
+            self._spawn(w)
+        self._assign_waiting(w.family)
 
     def _start_failed(self, w: _Worker, reason: str) -> None:
         w.start_failures += 1

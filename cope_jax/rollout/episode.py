@@ -48,6 +48,13 @@ class PlayedEpisode:
     done: bool = False
     env_key: object = None  # the pool's episode key
     in_env: bool = False  # a reset or step of this episode is at the pool
+    replays: int = 0  # times it was started again after its worker was lost (runner.py)
+
+    def restart(self) -> None:
+        """Back to before its reset (a replay): everything played is dropped, `replays` counts one
+        more; the task, group, index and uid stay."""
+        fresh = PlayedEpisode(self.index, self.task_id, self.group_id, uid=self.uid, replays=self.replays + 1)
+        self.__dict__.update(fresh.__dict__)
 
     def add(self, ids: Sequence[int], *, action=False, obs=False) -> tuple[int, int]:
         """Appends ids the sampler has not seen (queued for prefill); returns their span."""
@@ -128,7 +135,7 @@ class EpisodeLayout:
             score=ep.score,
             success=ep.success, task_id=ep.task_id, group_id=ep.group_id, family=self.family_name,
             finish_reason=ep.finish_reason,
-            metadata={"replies": ep.replies, "env": ep.env_info,
+            metadata={"replies": ep.replies, "env": ep.env_info, "replays": ep.replays,
                       "task_family": self.family.task_family(ep.task_id)})
 
 

@@ -16,6 +16,12 @@ assistant turn: instruction and o_0) is longer than `max_prompt_len`, its respon
 the prompt: turns and observations) reaches `max_response_len`, or its row would overflow `max_len`.
 A turn is never cut by the response limit's arrival mid-turn: the limit caps the turn's tokens, and
 a turn that ends there ends the episode.
+
+An episode lost to its worker (the process died or hung: `crashed`, `timeout`) is not its own
+fault: it is replayed from its start (a fresh reset of the same task and group, a fresh sampling
+key) up to `max_replays` times, and only then ends as a fault. The replay does not look at how far
+the lost episode got or how it was doing, so replays add no bias. An exception raised by the
+environment itself (`env_error`) is the episode's own and is not replayed.
 """
 from __future__ import annotations
 
@@ -56,6 +62,8 @@ class RolloutConfig:
     # streaming: finished turns are handed to the pool every this many decode steps (a host sync
     # per chunk: small next to the steps themselves)
     stream_every: int = 16
+    # replays of an episode lost to its worker (module docstring) before it counts as a fault
+    max_replays: int = 2
 
 
 @dataclasses.dataclass
@@ -65,6 +73,7 @@ class RolloutStats:
     wall_s: float = 0.0
     generated_tokens: int = 0
     env_steps: int = 0
+    replays: int = 0  # episodes started again after their worker was lost
 
     @classmethod
     def combined(cls, parts: Sequence["RolloutStats"]) -> "RolloutStats":
@@ -185,6 +194,10 @@ class RolloutRunner:
                 ep = by_key[r.episode]
                 ep.in_env = False
                 stats.env_steps += r.kind == "step"
+                if not r.ok and r.error in REPLAYED and ep.replays < cfg.max_replays:
+                    by_key[self._replay(ep, state, need_row, ready)] = ep
+                    stats.replays += 1
+                    continue
                 live -= self._on_env_result(ep, r, state, need_row, ready)
             if need_row and not cfg.sync:
                 # prefill new episodes' prompts as their resets arrive: the call returns at once
@@ -231,6 +244,19 @@ class RolloutRunner:
         self._generate_s = took if not self._generate_s else 0.8 * self._generate_s + 0.2 * took
         ready.clear()
         return len(ended) + generated
+
+    def _replay(self, ep: PlayedEpisode, state: SamplerState, need_row: list, ready: list):
+        """Starts `ep` again from its reset (module docstring); returns its new environment key."""
+        if ep.row is not None:
+            self.sampler.free(state, [ep.row])
+        for waiting in (need_row, ready):
+            if ep in waiting:
+                waiting.remove(ep)
+        ep.restart()
+        ep.env_key = (id(self), ep.index, ep.replays, time.perf_counter_ns())
+        ep.in_env = True
+        self.pool.submit_reset(ep.env_key, self.family_name, ep.task_id, max_rounds=self.cfg.max_rounds)
+        return ep.env_key
 
     def _on_env_result(self, ep: PlayedEpisode, r, state, need_row, ready) -> int:
         """Records a reset/step result; returns 1 if the episode ended."""
@@ -302,7 +328,8 @@ class RolloutRunner:
         as soon as the turn ends, so its environment steps while longer turns are still decoding."""
         cfg = self.cfg
         keys = None if key is None else _turn_keys(key, np.array([ep.uid for ep in ready], np.int32),
-                                                   np.array([len(ep.action_spans) for ep in ready], np.int32))
+                                                   np.array([len(ep.action_spans) for ep in ready], np.int32),
+                                                   np.array([ep.replays for ep in ready], np.int32))
         ended = 0
 
         def on_finish(i, tokens, logprobs, reason):
@@ -372,7 +399,14 @@ class RolloutRunner:
                 pass
 
 
+REPLAYED = ("crashed", "timeout")  # pool errors that are the worker's, not the episode's
+
+
 @jax.jit
-def _turn_keys(key, uids, turns):
-    """[n] keys fold_in(fold_in(key, uids[i]), turns[i]): one per (episode, turn)."""
-    return jax.vmap(lambda u, t: jax.random.fold_in(jax.random.fold_in(key, u), t))(uids, turns)
+def _turn_keys(key, uids, turns, replays):
+    """[n] keys fold_in(fold_in(key, uids[i]), turns[i]): one per (episode, turn); a replay r > 0
+    folds r in too (a fresh key, the first play's unchanged)."""
+    def one(u, t, r):
+        k = jax.random.fold_in(jax.random.fold_in(key, u), t)
+        return jax.lax.cond(r > 0, lambda: jax.random.fold_in(k, r), lambda: k)
+    return jax.vmap(one)(uids, turns, replays)

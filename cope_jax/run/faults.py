@@ -70,5 +70,6 @@ def _warn(faults: Sequence[Trajectory], what: str) -> None:
 
 def _describe(t: Trajectory) -> str:
     env = t.metadata.get("env", {})
-    return (f"{t.finish_reason} on environment worker pid {env.get('worker_pid')} (task {t.task_id}): "
-            f"{env.get('reason', '')[:200]}")
+    replays = t.metadata.get("replays", 0)
+    return (f"{t.finish_reason} on environment worker pid {env.get('worker_pid')} (task {t.task_id}"
+            f"{f', after {replays} replays' if replays else ''}): {env.get('reason', '')[:200]}")

@@ -70,7 +70,7 @@ def rollout_config(c: ml_collections.ConfigDict, kind: str) -> RolloutConfig:
         max_prompt_len=c.rollout.max_prompt_len, max_response_len=c.rollout.max_response_len,
         temperature=c.rollout.temperature if train else c.eval.temperature,
         top_p=c.rollout.top_p, top_k=c.rollout.top_k, greedy=False if train else c.eval.greedy,
-        sync=c.rollout.sync, stream_every=c.rollout.stream_every)
+        sync=c.rollout.sync, stream_every=c.rollout.stream_every, max_replays=c.env.max_replays)
 
 
 def forecast_config(c: ml_collections.ConfigDict, family, kind: str, horizon: int) -> ForecastConfig:

@@ -31,7 +31,8 @@ def evaluate(parts: Components, step: int, *, split: str | None = None, samples:
     bar.close()
     trajs, faults = faults_lib.drop(trajs, parts.max_fault_fraction, what=f"evaluation at step {step}")
     summary = metrics_lib.summarize(trajs, overall=getattr(parts.family, "overall", "count-weighted"))
-    summary.update(split=split, samples=samples, tasks=len(ids), seconds=stats.wall_s, **faults.record())
+    summary.update(split=split, samples=samples, tasks=len(ids), seconds=stats.wall_s, **faults.record(),
+                   env_replays=float(stats.replays))
     parts.log.write(name, step, {k: v for k, v in summary.items() if not isinstance(v, dict)}
                     | {f"succ/{f}": v["succ"] for f, v in summary["families"].items()}
                     | {f"episodes/{f}": v["episodes"] for f, v in summary["families"].items()})

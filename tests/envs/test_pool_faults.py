@@ -234,3 +234,31 @@ def test_concurrent_slots_answer_at_once_and_in_completion_order():
         pool.submit_step("b", "look")
         (lost,) = pool.wait_all(timeout=10)
         assert lost.error == "crashed" and "idle" in lost.reason
+
+
+def test_resets_queued_at_a_dead_worker_start_elsewhere_and_idle_losses_name_the_pid():
+    """One worker answers a call at a time: resets queued behind a hanging call never reached it.
+    When it is killed they go back to the family's queue and start on a live worker (no fault);
+    an episode that was idle on it fails at its next call, naming that worker's pid."""
+    tids = FAM.task_ids("test")
+    with EnvPool({"chaos": 2}, envs_per_worker=3, call_timeout=30.0, family_kwargs=CHAOS) as pool:
+        r = _reset(pool, "hanger", tids[0])
+        victim = r.worker_pid
+        idle = _reset(pool, "idle", tids[1])
+        if idle.worker_pid != victim:  # the least loaded worker got it: put one on the victim
+            idle = _reset(pool, "idle2", tids[1])
+        assert idle.worker_pid == victim
+        pool.submit_step("hanger", "hang")
+        for i in range(3):  # the victim's last free slot and the other worker's: queued behind the hang
+            pool.submit_reset(f"new{i}", "chaos", tids[2 + i], max_rounds=20)
+        time.sleep(0.3)
+        queued = [e for e in ("new0", "new1", "new2") if pool._episodes[e].worker.proc.pid == victim]
+        assert queued  # the path under test: a reset waiting at the victim, never sent
+        os.kill(victim, signal.SIGKILL)
+        results = {r.episode: r for r in pool.wait_all(timeout=30)}
+        assert results["hanger"].error == "crashed"
+        assert all(results[f"new{i}"].ok for i in range(3)), results
+        assert all(results[f"new{i}"].worker_pid != victim for i in range(3))
+        pool.submit_step(idle.episode, "look")
+        (lost,) = pool.wait_all(timeout=10)
+        assert lost.error == "crashed" and lost.worker_pid == victim and "idle" in lost.reason

@@ -14,16 +14,21 @@ from envs.registry import make_family
 FAMILY = make_family("builtin")
 
 
-@pytest.fixture(scope="module")
-def setup():
+def _runner_parts():
+    """(chat format, sampler) of a tiny random policy over a tokenizer of the built-in house."""
     tok = train_sentencepiece([FAMILY.instruction(), "Action: go north", "You see a key."] * 5, vocab_size=300)
     chat = ChatFormat(tok, "plain")
     cfg = models.QwenConfig(family="qwen3", vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
                             num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, rms_norm_eps=1e-6,
                             rope_theta=1e4, tie_word_embeddings=True, qkv_bias=False, qk_norm=True)
-    sampler = Sampler(models.create_model(cfg, seed=1), batch_size=4, max_len=1024, eos_ids=tok.eos_ids)
+    return chat, Sampler(models.create_model(cfg, seed=1), batch_size=4, max_len=1024, eos_ids=tok.eos_ids)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    chat, sampler = _runner_parts()
     with EnvPool({"builtin": 2}) as pool:
-        yield tok, chat, sampler, pool
+        yield chat.tokenizer, chat, sampler, pool
 
 
 class Recorder:

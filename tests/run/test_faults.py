@@ -65,6 +65,7 @@ def test_a_worker_killed_mid_rollout_leaves_its_episodes_out_of_the_step(tmp_pat
     c.env.update(workers=2, max_rounds_train=6)
     c.rollout.update(tasks_per_step=2, group_size=4, sampler_rows=8, max_fault_fraction=0.75, prefetch_resets=False)
     c.eval.update(every=0)
+    c.env.max_replays = 0  # the faults themselves (replays: the test below)
     seen = {}
     real_build = loop.build_minibatches
 
@@ -95,3 +96,72 @@ def test_a_worker_killed_mid_rollout_leaves_its_episodes_out_of_the_step(tmp_pat
     assert lost >= 1 and record.get("env_crashed", 0) >= 1, record
     trained = seen["trajs"]
     assert len(trained) == 8 - lost and not any(t.finish_reason.startswith("env_") for t in trained)
+
+
+def test_a_worker_killed_mid_rollout_costs_replays_not_episodes(tmp_path, monkeypatch):
+    """The same kill with replays on (the default): every episode the dead worker held is played again
+    from its start on a live worker, the step trains on all 8 episodes, and the record counts the
+    replays and no fault."""
+    from cope_jax.run.build import build
+    from cope_jax.stages import loop
+    from cope_jax.stages.rl import train
+    from envs.pool import EnvPool
+
+    c = tiny_config("cope", steps=1)
+    c.env.update(workers=2, max_rounds_train=6)
+    c.rollout.update(tasks_per_step=2, group_size=4, sampler_rows=8, prefetch_resets=False)
+    c.eval.update(every=0)
+    assert c.env.max_replays == 2
+    seen = {}
+    real_build, real_poll = loop.build_minibatches, EnvPool.poll
+
+    def build_recorded(trajs, *args, **kwargs):
+        seen["trajs"] = list(trajs)
+        return real_build(trajs, *args, **kwargs)
+
+    def poll(self, timeout=0.0):
+        results = real_poll(self, timeout)
+        seen["steps"] = seen.get("steps", 0) + sum(r.kind == "step" for r in results)
+        if seen["steps"] >= 4 and "killed" not in seen:
+            seen["killed"] = self.worker_pids("builtin")[0]
+            os.kill(seen["killed"], signal.SIGKILL)
+        return results
+
+    monkeypatch.setattr(loop, "build_minibatches", build_recorded)
+    parts = build(c, str(tmp_path / "run"))
+    monkeypatch.setattr(EnvPool, "poll", poll)
+    try:
+        train(parts, progress=False)
+        assert seen["killed"] not in parts.pool.worker_pids() and len(parts.pool.worker_pids()) == 2
+    finally:
+        parts.close()
+    record = [json.loads(l) for l in open(tmp_path / "run" / "metrics.jsonl")][-1]
+    assert record["env_faults"] == 0 and record["env_replays"] >= 1, record
+    trained = seen["trajs"]
+    assert len(trained) == 8 and not any(t.finish_reason.startswith("env_") for t in trained)
+    assert sum(t.metadata["replays"] for t in trained) == record["env_replays"]
+
+
+def test_a_task_that_hangs_every_replay_is_a_fault_naming_the_task(caplog):
+    """The chaos family hangs on a negative task id: the episode times out, is replayed twice (each
+    time a fresh worker, a fresh reset) and then ends as env_timeout; the warning names the task and
+    the replays. The other episode of the batch is untouched."""
+    from tests.rollout.test_rollout import _runner_parts
+
+    chat, sampler = _runner_parts()
+    from cope_jax.rollout.runner import RolloutConfig, RolloutRunner
+    from envs.pool import EnvPool
+    from envs.registry import make_family
+
+    family = make_family("chaos")
+    task = family.task_ids("test")[0]
+    with EnvPool({"chaos": 2}, call_timeout=1.0) as pool:
+        runner = RolloutRunner(sampler, pool, "chaos", family, chat, RolloutConfig(max_rounds=3, max_turn_tokens=6))
+        import jax
+        trajs, stats = runner.run([(-1, 0), (task, 1)], jax.random.key(0))
+    bad, good = trajs
+    assert bad.finish_reason == "env_timeout" and bad.metadata["replays"] == 2 and stats.replays == 2
+    assert not good.finish_reason.startswith("env_") and good.metadata["replays"] == 0
+    with caplog.at_level(logging.WARNING):
+        with pytest.raises(faults.FaultError, match=r"\(task -1, after 2 replays\)"):
+            faults.drop(trajs, 0.25)
