@@ -1,7 +1,9 @@
 """End to end on the built-in environment: every method trains 2 steps and leaves checkpoints,
 TensorBoard events and eval.json; a run killed with SIGKILL resumes to the same metrics."""
+import dataclasses
 import glob
 import json
+import math
 import os
 import signal
 import subprocess
@@ -32,9 +34,46 @@ def tiny_config(method: str, steps: int = 2):
     return c
 
 
+def with_a_success_per_group(monkeypatch):
+    """Each RL step's first episode of every group is replaced by the expert's successful play of
+    the same task (a tiny random policy rarely succeeds, and a method whose rows need a success --
+    rft, sft_success, cope's forecasting -- would train nothing without one)."""
+    from cope_jax.run.demos import expert_trajectories
+    from cope_jax.stages import loop, rl
+
+    real, cache = rl.rollout, {}
+
+    def rollout(parts, runner, plan, key, next_plan=(), on_progress=None):
+        trajs, stats = real(parts, runner, plan, key, next_plan, on_progress)
+        first = {}
+        for i, t in enumerate(trajs):
+            first.setdefault(t.group_id, i)
+        for g, i in first.items():
+            task = trajs[i].task_id
+            if task not in cache:
+                (cache[task],) = expert_trajectories(loop.runner(parts, "train"), [task], max_rounds=30)
+            trajs[i] = dataclasses.replace(cache[task], group_id=g)
+        return trajs, stats
+
+    monkeypatch.setattr(rl, "rollout", rollout)
+
+
+def term_activity(record: dict, terms) -> dict:
+    """{term: its gradient norm in this step's record} (`train.grad_norm_terms`)."""
+    return {t: record.get(f"grad_norm_{t}", 0.0) for t in terms}
+
+
 @pytest.mark.parametrize("method", base.METHODS)
-def test_every_method_trains_two_steps(method, tmp_path):
+def test_every_method_trains_two_steps(method, tmp_path, monkeypatch):
+    """Every step runs mini-batches and every term of the method moves the weights: its gradient
+    norm (each term's own pass: `train.grad_norm_terms`) is finite and non-zero."""
+    from cope_jax.learning.methods import get_method
+
     c = tiny_config(method)
+    terms = c.train.grad_norm_terms = get_method(method).terms
+    c.train.entropy_coef = 0.01  # the demo's 0 would switch the entropy term off
+    c.rollout.prefetch_resets = False  # the expert plays on the same pool between steps
+    with_a_success_per_group(monkeypatch)
     if method == "cope":  # one method also runs the warm start stage, with forecasting examples
         c.warmstart.update(steps=2, tasks=8, batch_episodes=4, af_examples=3)
     workdir = str(tmp_path / method.replace("+", "_"))
@@ -43,7 +82,9 @@ def test_every_method_trains_two_steps(method, tmp_path):
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2]
     for r in train:
-        assert 0 <= r["succ"] <= 1 and r["minibatches"] >= 0
+        assert r["minibatches"] >= 1 and r["succ"] >= 0.5, r  # a success in each group of 2
+        active = term_activity(r, terms)
+        assert all(math.isfinite(v) and v > 0 for v in active.values()), (method, active)
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["1", "2"]
     assert glob.glob(os.path.join(workdir, "tensorboard", "events.out.tfevents.*"))
     if method == "cope":
