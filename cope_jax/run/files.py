@@ -29,20 +29,16 @@ def replacing(path: str):
             os.remove(tmp)
 
 
-def write_text(path: str, text: str) -> None:
-    with replacing(path) as tmp:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-
-
 def write_bytes(path: str, data: bytes) -> None:
     with replacing(path) as tmp:
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+
+
+def write_text(path: str, text: str) -> None:
+    write_bytes(path, text.encode("utf-8"))
 
 
 def write_json(path: str, obj, **dump_kw) -> None:
