@@ -30,7 +30,7 @@ def run(*, size: str, repeats: int) -> list[Check]:
     c, cfg, program, compiled, fallback = _fitting(size)
     state, batch, coefs = _inputs(c, cfg, compiled)
     predicted_peak = accept_device.compiled_peak_bytes(compiled) - program.param_bytes - program.optimizer_bytes
-    step = lambda s: compiled(s, batch, coefs)  # noqa: E731 (the step donates its state: thread it)
+    step = lambda s: compiled(s, batch, coefs, None)  # noqa: E731 (the step donates its state: thread it)
     state, _ = step(state)  # warm-up
     jax.block_until_ready(state)
     peak, state = _peak_during(step, state)
@@ -153,8 +153,9 @@ def _inputs(c, cfg, compiled):
     from cope_jax.learning import train_step as ts
     from models import qwen
 
-    (state_info, batch_info, coef_info), _ = compiled.args_info
-    (state_sharding, batch_sharding, coef_sharding), _ = compiled.input_shardings
+    # the fourth argument is LoRA's frozen base: None here (acceptance trains every weight)
+    (state_info, batch_info, coef_info, _), _ = compiled.args_info
+    (state_sharding, batch_sharding, coef_sharding, _), _ = compiled.input_shardings
     devices = list({d for s in jax.tree.leaves(state_sharding) for d in s.device_set})
     mesh = distributed.run_mesh((1, len(devices), 1), sorted(devices, key=lambda d: d.id))
     model = qwen.create_model(cfg, mesh=mesh)

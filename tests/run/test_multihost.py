@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from configs import demo
+from tests.config_flags import override_flags
 from tests.paths import ROOT
 
 REPO = ROOT
@@ -34,9 +35,7 @@ def _config_flags(workdir):
     c.checkpoint.update(every=2, keep=2)
     flags = [f"--config={REPO}/configs/demo.py:cope", f"--workdir={workdir}", "--noprogress",
              "--config.tokenizer=sentencepiece:320", "--config.mesh=(1,4,1)"]
-    for section in ("model", "env", "rollout", "train", "warmstart", "eval", "checkpoint"):
-        flags += [f"--config.{section}.{k}={v}" for k, v in c[section].items()]
-    return flags
+    return flags + override_flags(c, demo.get_config("cope"))
 
 
 def _env(devices):

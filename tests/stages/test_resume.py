@@ -7,10 +7,12 @@ import shutil
 
 import pytest
 
+from configs import demo
 from cope_jax.run.build import build
 from cope_jax.stages.runs import train_run
 from cope_jax.stages.rl import train
 from models import CheckpointError
+from tests.config_flags import override_flags
 from tests.stages.test_train_e2e import TIMING, tiny_config
 from tests.stages.test_train_e2e import _metrics as _train_records
 
@@ -181,7 +183,7 @@ def test_eval_of_a_damaged_checkpoint_is_one_line_naming_the_intact_step_and_wri
     config = os.path.join(workdir, "config.py")
     flags = [f"--config={os.path.join(ROOT, 'configs', 'demo.py')}:grpo"]
     # the fixture's tiny config, as flags on the demo config (launch.eval reads a config file)
-    flags += [f"--config.{k}={v}" for k, v in _flat_overrides(c).items()]
+    flags += override_flags(c, demo.get_config("grpo"))
     proc = subprocess.run([sys.executable, "-m", "launch.eval", *flags, f"--workdir={workdir}", "--noprogress"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     lines = proc.stderr.strip().splitlines()
@@ -192,18 +194,3 @@ def test_eval_of_a_damaged_checkpoint_is_one_line_naming_the_intact_step_and_wri
     assert msg.endswith("; step 2 is intact: pass --checkpoint=2 to evaluate it"), msg
     assert "TensorStore details" not in msg and "<bound method" not in msg, msg
     assert _tree(workdir) == before and not os.path.exists(config)
-
-
-def _flat_overrides(c):
-    """{dotted field: value} of every leaf where the tiny config differs from the demo's grpo config."""
-    from configs import demo
-
-    def flat(d, prefix=""):
-        for k, v in d.items():
-            if isinstance(v, dict):
-                yield from flat(v, f"{prefix}{k}.")
-            else:
-                yield f"{prefix}{k}", v
-    base = dict(flat(demo.get_config("grpo").to_dict()))
-    return {k: (f"({','.join(map(repr, v))},)" if isinstance(v, tuple) else v)
-            for k, v in flat(c.to_dict()) if base.get(k) != v}

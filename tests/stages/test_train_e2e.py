@@ -14,6 +14,7 @@ import pytest
 
 from configs import base, demo
 from cope_jax.stages.runs import eval_run, train_run
+from tests.config_flags import override_flags
 from tests.paths import ROOT
 
 REPO = ROOT
@@ -129,12 +130,8 @@ def test_pool_gives_every_sampler_row_an_environment(tmp_path):
 
 def _train_cmd(workdir, steps):
     c = tiny_config("grpo", steps)
-    flags = [f"--config={REPO}/configs/demo.py:grpo", f"--workdir={workdir}", "--noprogress"]
-    for section in ("model", "env", "rollout", "train", "warmstart", "eval", "checkpoint"):
-        for k, v in c[section].items():
-            flags.append(f"--config.{section}.{k}={v}")
-    flags.append(f"--config.tokenizer={c.tokenizer}")
-    flags.append("--config.mesh=(1,1,1)")
+    flags = [f"--config={REPO}/configs/demo.py:grpo", f"--workdir={workdir}", "--noprogress",
+             *override_flags(c, demo.get_config("grpo"))]
     return [sys.executable, "-m", "launch.train"] + flags
 
 
