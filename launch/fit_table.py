@@ -3,7 +3,7 @@
 The README's fit table, reproducible: plans every cell (a paper config on a target, full fine-tuning
 or LoRA rank 64) with `launch.plan --mesh=auto --nocost --json`, one process per cell, and writes
 `DIR/<cell>.jsonl` (the planner's records) and `DIR/table.md` (the tables, from whatever cells have a
-record). A cell already planned is kept unless --force: an interrupted run resumes where it stopped
+record), and the same tables into the marked block of `--doc` (docs/scaling.md). A cell already planned is kept unless --force: an interrupted run resumes where it stopped
 (a 7B plan takes minutes to half an hour on two cores). Cells on one host, and AppWorld's everywhere,
 plan with `--sampler_rows=auto`: the most sampler rows per host that fit.
 
@@ -20,11 +20,13 @@ import sys
 
 from absl import flags
 
+from cope_jax.run import files
 from launch import cli
 
 flags.DEFINE_string("out", "docs/fit", "Directory of the cells' records and table.md.")
 flags.DEFINE_list("cells", [], "Plan only the cells whose name contains one of these (e.g. lora64-v6e-8).")
-flags.DEFINE_bool("render_only", False, "Write table.md from the records there; plan nothing.")
+flags.DEFINE_bool("render_only", False, "Write table.md (and --doc) from the records there; plan nothing.")
+flags.DEFINE_string("doc", "docs/scaling.md", "A document whose fit-table block is replaced by the tables ('' for none).")
 flags.DEFINE_bool("force", False, "Plan the chosen cells again even where a record exists.")
 FLAGS = flags.FLAGS
 
@@ -35,6 +37,7 @@ PODS = ("v4-32", "v5e-64", "v5p-32", "v6e-32", "8xH100", "tpu7x-8")
 ONE_HOST = ("v5e-8", "v6e-8", "v5p-8", "1xH100")
 TUNINGS = {"full": (), "lora64": ("--config.train.lora.rank=64",)}
 GIB = float(1 << 30)
+BEGIN, END = "<!-- launch.fit_table: begin -->", "<!-- launch.fit_table: end -->"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,13 +71,13 @@ def plan_cell(cell: Cell, out: str) -> dict | None:
     proc = subprocess.run([sys.executable, "-m", "launch.plan", *cell.args()], capture_output=True, text=True)
     records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode not in (0, 2) or not records or not records[-1].get("summary"):
-        with open(os.path.join(out, cell.name + ".err"), "w") as f:
-            f.write(proc.stderr)
+        # the stack frames name this machine's paths: the error lines are what the record keeps
+        said = [line for line in proc.stderr.splitlines() if not line.startswith("  File ")]
+        files.write_text(os.path.join(out, cell.name + ".err"), "\n".join(said) + "\n")
         return None
-    tmp = os.path.join(out, cell.name + ".jsonl.tmp")
-    with open(tmp, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
-    os.replace(tmp, os.path.join(out, cell.name + ".jsonl"))
+    files.write_text(os.path.join(out, cell.name + ".jsonl"), "".join(json.dumps(r) + "\n" for r in records))
+    if os.path.exists(os.path.join(out, cell.name + ".err")):
+        os.remove(os.path.join(out, cell.name + ".err"))
     return records[-1]
 
 
@@ -86,6 +89,18 @@ def read_cell(cell: Cell, out: str) -> list[dict] | None:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def read_failure(cell: Cell, out: str) -> str | None:
+    """The line that says why the cell's last plan failed (a compiler abort, the planner's error),
+    or None where it never failed."""
+    path = os.path.join(out, cell.name + ".err")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        lines = [line.strip() for line in f if line.strip()]
+    said = [line for line in lines if "ERROR" in line or "error:" in line] or lines[-1:] or ["no output"]
+    return f"`{said[0][:120]}`"
+
+
 def describe(records: list[dict], searched_rows: bool) -> str:
     """One cell's text: 'fits, mesh 1x8x1 (train_step 26 of 31 GiB)', with the sampler rows found
     where they were searched; or '**no** (mesh 1x1x1: train_step 166 of 59 GiB, largest part
@@ -93,7 +108,8 @@ def describe(records: list[dict], searched_rows: bool) -> str:
     *programs, summary = records
     worst = max(programs, key=lambda r: r["total"] / r["usable_bytes"])
     mesh = "x".join(map(str, summary["mesh"]))
-    rows = f", {summary['sampler_rows']} sampler rows" if searched_rows else ""
+    n = summary["sampler_rows"]
+    rows = f", {n} sampler row{'s' * (n != 1)}" if searched_rows else ""
     used = f"{worst['program']} {worst['total'] / GIB:.0f} of {worst['usable_bytes'] / GIB:.0f} GiB"
     if summary["fits"]:
         return f"fits, mesh {mesh}{rows} ({used})"
@@ -105,7 +121,10 @@ def render(out: str) -> str:
     """The pods table and the one-host table (full and LoRA) from the cells planned in `out`."""
     def cell_text(cell):
         records = read_cell(cell, out)
-        return "not planned yet" if records is None else describe(records, cell.searches_rows)
+        if records is not None:
+            return describe(records, cell.searches_rows)
+        failure = read_failure(cell, out)
+        return "not planned yet" if failure is None else f"planner failed: {failure}"
 
     def table(columns, rows):
         head = ["config", *columns]
@@ -135,10 +154,19 @@ def main(argv):
         print(f"  {cell.name}: " + ("failed (see its .err)" if summary is None
                                    else describe(read_cell(cell, FLAGS.out), cell.searches_rows)), flush=True)
     text = render(FLAGS.out)
-    with open(os.path.join(FLAGS.out, "table.md.tmp"), "w") as f:
-        f.write(text)
-    os.replace(os.path.join(FLAGS.out, "table.md.tmp"), os.path.join(FLAGS.out, "table.md"))
+    files.write_text(os.path.join(FLAGS.out, "table.md"), text)
+    if FLAGS.doc:
+        with open(FLAGS.doc) as f:
+            files.write_text(FLAGS.doc, splice(f.read(), text, FLAGS.doc))
     print(text)
+
+
+def splice(doc: str, tables: str, name: str = "the document") -> str:
+    """`doc` with the text between its BEGIN and END markers replaced by `tables`."""
+    if doc.count(BEGIN) != 1 or doc.count(END) != 1 or doc.index(BEGIN) > doc.index(END):
+        raise ValueError(f"{name}: expected one '{BEGIN}' line and one '{END}' after it")
+    head, rest = doc.split(BEGIN)
+    return f"{head}{BEGIN}\n{tables}{END}{rest.split(END)[1]}"
 
 
 if __name__ == "__main__":

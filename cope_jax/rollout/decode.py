@@ -176,7 +176,7 @@ def decode_loop(graphdef, params, weights, run, until, knobs, step_limit, limit_
         logits = model.unembed(h[:, 0], decode_layout=weights is not None)
         # a row's randomness depends only on (its key, step): not on which other rows run
         tok = sample_tokens(logits, lambda: jax.vmap(lambda k: jax.random.fold_in(k, s["step"]))(row_keys), **knobs)
-        lp = token_logprobs(logits, tok)
+        lp = token_logprobs(logits, tok, knobs["temperature"], knobs["greedy"])
         n = s["n"] + active
         tail = jnp.where(active[:, None], jnp.concatenate([s["tail"][:, 1:], tok[:, None]], 1), s["tail"])
         now = jnp.select([jnp.isin(tok, eos_ids), stop_matched(tail, stops), n >= step_limit],

@@ -66,7 +66,7 @@ class Generation:
 
     rows: list[int]
     tokens: list[np.ndarray]  # int32 ids, EOS / stop sequence included
-    logprobs: list[np.ndarray]  # float32: log-softmax of the raw logits at each sampled token
+    logprobs: list[np.ndarray]  # float32: log-softmax of logits / temperature at each sampled token
     finish_reasons: list[str]  # "eos" | "stop" | "length" | "context_full"
 
 

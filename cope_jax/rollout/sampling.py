@@ -7,8 +7,9 @@ Semantics (transformers' `generate` order): logits / temperature, then top-k (ke
 ties with the k-th kept), then top-p (keep the smallest most-likely set whose probability reaches
 top_p, computed after top-k), then one categorical draw (`categorical`: inverse CDF, one uniform
 number per row). `greedy` or temperature 0 takes the argmax of the raw logits. The logprob returned
-for a token is the policy's: log-softmax of the raw logits (temperature 1, before any filtering),
-whatever setting drew it.
+for a token is the sampling policy's: log-softmax of logits / temperature (1 for a greedy row),
+before top-k / top-p. It is the distribution the trainer scores the same token under
+(`learning/logprobs.py` at `rollout.temperature`), so their difference is numeric drift only.
 """
 from __future__ import annotations
 
@@ -57,10 +58,13 @@ def categorical(scaled: jax.Array, keys) -> jax.Array:
     return (blk * _BLOCK + j).astype(jnp.int32)
 
 
-def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-    """log softmax(logits)[token]: logits [R, V] float32, tokens [R] -> [R] float32."""
-    picked = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
-    return picked - jax.nn.logsumexp(logits, axis=-1)
+def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: jax.Array, greedy: jax.Array) -> jax.Array:
+    """log softmax(logits / t)[token], t the row's temperature (1 where greedy or t <= 0): logits
+    [R, V] float32, tokens and knobs [R] -> [R] float32."""
+    t = jnp.where(greedy | (temperature <= 0), 1.0, temperature)
+    scaled = logits / t[:, None]
+    picked = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0]
+    return picked - jax.nn.logsumexp(scaled, axis=-1)
 
 
 def filter_cutoff(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:

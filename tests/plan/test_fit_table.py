@@ -70,6 +70,25 @@ def test_render_shows_what_is_planned_and_names_the_rest(tmp_path):
     assert "fits, mesh 1x8x1, 32 sampler rows (train_step 20 of 31 GiB)" in text
     assert text.count("not planned yet") == len(names) - 1
     assert "`sciworld.py:cope`, `alfworld.py:cope`, `webshop.py:cope`" in text
+    crashed = fit_table.Cell("tau2", "tpu7x-8", "full")
+    with open(tmp_path / f"{crashed.name}.err", "w") as f:
+        f.write("LLVM ERROR: Not enough space for spill\nFatal Python error: Aborted\n  File x.py\n")
+    text = fit_table.render(str(tmp_path))
+    assert "planner failed: `LLVM ERROR: Not enough space for spill`" in text
+    assert text.count("not planned yet") == len(names) - 2
+
+
+def test_the_docs_show_the_committed_records():
+    """docs/scaling.md's fit-table block is the table of docs/fit's records, and no cell of it was
+    left unplanned."""
+    tables = fit_table.render(os.path.join(ROOT, "docs", "fit"))
+    with open(os.path.join(ROOT, "docs", "scaling.md")) as f:
+        doc = f.read()
+    assert fit_table.splice(doc, tables) == doc
+    assert f"{fit_table.BEGIN}\n{tables}{fit_table.END}" in doc
+    assert "not planned yet" not in tables
+    with pytest.raises(ValueError, match="expected one '<!-- launch.fit_table: begin -->' line"):
+        fit_table.splice("no markers", tables)
 
 
 def test_a_bad_cell_filter_is_one_line(tmp_path):

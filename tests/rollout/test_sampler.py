@@ -65,10 +65,11 @@ def _hf_greedy(torch_model, prompts, n):
     return out[:, T:].numpy()
 
 
-def _hf_logprobs(torch_model, history, generated):
-    """transformers' log-softmax at each generated token, given the full history before it."""
+def _hf_logprobs(torch_model, history, generated, temperature=1.0):
+    """transformers' log-softmax of logits / temperature at each generated token, given the full
+    history before it."""
     seq = np.array(list(history) + list(generated))[None]
-    logp = torch.log_softmax(torch.tensor(hf_logits(torch_model, seq)[0]), -1).numpy()
+    logp = torch.log_softmax(torch.tensor(hf_logits(torch_model, seq)[0]) / temperature, -1).numpy()
     pos = np.arange(len(history) - 1, len(seq[0]) - 1)
     return logp[pos, seq[0, pos + 1]]
 
@@ -97,15 +98,20 @@ def test_blockwise_prefill_keeps_the_greedy_tokens(loaded):
         np.testing.assert_array_equal(out.tokens[i], ref[i])
 
 
-def test_logprobs_are_the_policy_log_softmax(setup):
+def test_logprobs_are_the_sampling_policy_log_softmax(setup):
     _, torch_model, cfg, sampler = setup
     prompts = _prompts(cfg.vocab_size, seed=1)
-    # the logprob is the raw policy's whatever the setting that drew the token
-    out = sampler.generate(sampler.start(prompts), max_new_tokens=12, temperature=[1.0, 0.7, 1.3, 1.0],
+    # the logprob is the policy's at the row's temperature (what the trainer scores), before top-k /
+    # top-p; a greedy row's is at temperature 1
+    temperature = [1.0, 0.7, 1.3, 0.0]
+    out = sampler.generate(sampler.start(prompts), max_new_tokens=12, temperature=temperature,
                            top_p=[1.0, 1.0, 0.9, 0.8], top_k=[0, 20, 0, 0], key=jax.random.key(3))
     for i, p in enumerate(prompts):
         assert len(out.tokens[i]) == 12
-        np.testing.assert_allclose(out.logprobs[i], _hf_logprobs(torch_model, p, out.tokens[i]), atol=1e-4, rtol=0)
+        want = _hf_logprobs(torch_model, p, out.tokens[i], temperature[i] or 1.0)
+        np.testing.assert_allclose(out.logprobs[i], want, atol=1e-4, rtol=0)
+        if temperature[i] not in (0.0, 1.0):  # the scale shows: not the temperature-1 figure
+            assert np.abs(out.logprobs[i] - _hf_logprobs(torch_model, p, out.tokens[i])).max() > 1e-2
 
 
 def test_top_k_one_is_greedy_and_sampling_is_deterministic(setup):
