@@ -105,5 +105,4 @@ def base_config(method: str = "cope") -> ml_collections.ConfigDict:
                                                  dawdle=0.0))
     c.eval = ml_collections.ConfigDict(dict(every=10, tasks=0, samples=1, temperature=1.0, greedy=False))
     c.checkpoint = ml_collections.ConfigDict(dict(every=10, keep=3))
-    c.log_every = 1
     return c

@@ -62,13 +62,13 @@ class OptimizerConfig:
     warmup_steps: int = 0
 
     def schedule(self) -> optax.Schedule | float:
-        if self.decay_steps <= 0:
-            if self.warmup_steps <= 0:
-                return self.learning_rate
+        if self.decay_steps > 1:
+            return optax.warmup_cosine_decay_schedule(
+                0.0, self.learning_rate, warmup_steps=max(1, self.decay_steps // 20),
+                decay_steps=self.decay_steps, end_value=self.learning_rate * self.final_lr_fraction)
+        if self.warmup_steps > 0 and self.decay_steps == 0:
             return optax.linear_schedule(0.0, self.learning_rate, transition_steps=self.warmup_steps)
-        return optax.warmup_cosine_decay_schedule(
-            0.0, self.learning_rate, warmup_steps=max(1, self.decay_steps // 20),
-            decay_steps=self.decay_steps, end_value=self.learning_rate * self.final_lr_fraction)
+        return self.learning_rate  # constant, or a one-step decay: no room to warm up or decay
 
 
 @functools.lru_cache(maxsize=None)

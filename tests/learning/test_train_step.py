@@ -319,6 +319,8 @@ def test_optimizer_schedule_warms_up_then_decays():
     assert train_step.OptimizerConfig(learning_rate=2.0).schedule() == 2.0  # default: constant
     warm = train_step.OptimizerConfig(learning_rate=2.0, warmup_steps=4).schedule()  # RL: warm-up only
     assert [float(warm(i)) for i in (0, 2, 4, 50)] == pytest.approx([0.0, 1.0, 2.0, 2.0])
+    # a one-step cosine run (warmstart.steps=1) takes that step at the learning rate
+    assert train_step.OptimizerConfig(learning_rate=2.0, decay_steps=1).schedule() == 2.0
     # the optimizer follows it: the first step (lr 0) leaves the parameters where they are
     tx = train_step.make_optimizer(cfg)
     params = {"w": jnp.ones(3)}
