@@ -111,15 +111,16 @@ class TrainCheckpointer:
         items = {name: ocp.args.StandardRestore(_as_container(_abstract_key_data(tree)))
                  for name, tree in abstract_state.items()}
         items.update({k: ocp.args.JsonRestore() for k in _RESERVED})
-        try:
-            restored = self._manager.restore(step, args=ocp.args.Composite(**items))
-            state = {name: _data_to_keys(_from_container(restored[name], tree), tree)
-                     for name, tree in abstract_state.items()}
-            data_state, config = dict(restored[DATA_ITEM]), dict(restored[CONFIG_ITEM])
-        except Exception as e:  # Orbax, TensorStore and JSON each raise their own types
-            raise CheckpointError(f"checkpoint step {step} ({self.step_dir(step)}) is unreadable: "
-                                  f"{error_line(e)}") from e
-        return step, state, data_state, config
+        restored = {}
+        for name, args in items.items():  # one item at a time: the error names the damaged one
+            try:
+                restored[name] = self._manager.restore(step, args=ocp.args.Composite(**{name: args}))[name]
+            except Exception as e:  # Orbax, TensorStore and JSON each raise their own types
+                raise CheckpointError(f"checkpoint step {step} ({self.step_dir(step)}) is unreadable: "
+                                      f"{name}/: {error_line(e)}") from e
+        state = {name: _data_to_keys(_from_container(restored[name], tree), tree)
+                 for name, tree in abstract_state.items()}
+        return step, state, dict(restored[DATA_ITEM]), dict(restored[CONFIG_ITEM])
 
     def set_aside(self, step: int) -> str:
         """Renames an unreadable step out of the manager's sight (to `<step>.unreadable`, kept for

@@ -39,9 +39,12 @@ def _largest_file(directory):
 
 
 CORRUPTIONS = {
-    "truncated data file": (lambda d: _truncate(_largest_file(os.path.join(d, "params"))), ""),
-    "missing _METADATA": (lambda d: os.remove(os.path.join(d, "params", "_METADATA")), ""),
-    "truncated data_state": (lambda d: _truncate(os.path.join(d, "data_state", "metadata")), ""),
+    # (damage, what the line names: the damaged item and, where the reader says it, why)
+    "truncated data file": (lambda d: _truncate(_largest_file(os.path.join(d, "params"))),
+                            "is unreadable: params/: Encountered error while reading"),
+    "missing _METADATA": (lambda d: os.remove(os.path.join(d, "params", "_METADATA")), "is unreadable: params/: "),
+    "truncated data_state": (lambda d: _truncate(os.path.join(d, "data_state", "metadata")),
+                             "is unreadable: data_state/: Unterminated string"),
     "missing optimizer": (lambda d: shutil.rmtree(os.path.join(d, "optimizer")), "missing optimizer/"),
 }
 
