@@ -6,10 +6,10 @@ import hashlib
 
 import pytest
 
-from envs import webshop
 from envs.pool import EnvPool
 from envs.webshop import (NUM_GOALS, REQUIRED, SPLIT_IDS, WebShopEnv, check_install,
                           format_observation, is_action)
+from tests.envs.splits import digest_in_fresh_interpreter
 
 PAPER_INSTRUCTION_START = "You are web shopping. I will give you instructions about what to do."
 
@@ -22,7 +22,7 @@ def test_splits_are_disjoint_sized_seeded_and_pinned():
     assert test == list(range(200))                      # the engine's own test range head
     assert min(train) >= 1500 and max(train) < NUM_GOALS  # the engine's own train range
     assert round((len(train) + len(test)) / NUM_GOALS, 3) == 0.598
-    assert webshop._split_ids() == SPLIT_IDS
+    assert {digest_in_fresh_interpreter("webshop", seed) for seed in ("1", "2")} == {PINNED_SPLIT_DIGEST}
     digest = hashlib.sha256(repr((SPLIT_IDS["train"], SPLIT_IDS["test"])).encode()).hexdigest()
     assert digest[:16] == PINNED_SPLIT_DIGEST
     with pytest.raises(ValueError):

@@ -48,7 +48,11 @@ def test_the_line_puts_the_rollout_next_to_its_parts():
     assert line["overlap"] == pytest.approx(line["wall_s"] / max(line["sampling_s"], line["env_s"]), rel=0.005)
     assert line["sum_s"] == pytest.approx(line["sampling_s"] + line["env_s"], rel=0.002)
     assert line["wall_over_sum"] == pytest.approx(line["wall_s"] / line["sum_s"], rel=0.005)
-    assert line["cpus"] == len(os.sched_getaffinity(0)) and line["overlap_floor"] >= 1.0
+    assert line["cpus"] == len(os.sched_getaffinity(0))
+    # the floor: the longer of the two walls, or their CPU time over the cores, over that wall
+    longer = max(line["sampling_s"], line["env_s"])
+    cpu_bound = (line["sampling_cpu_s"] + line["env_cpu_s"]) / line["cpus"]
+    assert line["overlap_floor"] == pytest.approx(max(longer, cpu_bound) / longer, rel=0.005)
 
 
 def test_bad_flags_are_refused():
