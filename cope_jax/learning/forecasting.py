@@ -111,9 +111,11 @@ def history_prefix(traj: Trajectory, t: int, chat: ChatFormat) -> np.ndarray:
 
 
 def target_windows(traj: Trajectory, cfg: ForecastConfig) -> list[list[int]]:
-    """Per step t, the steps whose actions are its example's targets ([]: no example at t)."""
+    """Per step t, the steps whose actions are its example's targets ([]: no example at t). An
+    action is a target only where it parsed and the policy is trained on it: a demonstration's
+    context-only reply (`demos.py`'s deliberate mistake) is never one, with or without skip_invalid."""
     n = traj.num_steps
-    parsed = [j < len(traj.actions) and traj.actions[j] is not None for j in range(n)]
+    parsed = [j < len(traj.actions) and traj.actions[j] is not None and traj.is_trained(j) for j in range(n)]
     if not cfg.skip_invalid:
         return [[j for j in range(t, min(t + cfg.horizon + 1, n)) if parsed[j]] if parsed[t] else []
                 for t in range(n)]

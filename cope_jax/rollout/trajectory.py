@@ -99,6 +99,12 @@ class Trajectory:
         """T in the paper: the number of actions taken."""
         return len(self.action_spans)
 
+    def is_trained(self, step: int) -> bool:
+        """Whether action `step`'s tokens are action tokens: False for a context-only reply (an
+        expert demonstration's deliberate mistake); True where no span says otherwise."""
+        start, end = (int(x) for x in self.action_spans[step])
+        return end <= start or bool(self.action_mask[start:end].any())
+
     def was_rejected(self, step: int) -> bool:
         """Whether the environment rejected action `step` (`rejected`)."""
         return step < len(self.rejected) and bool(self.rejected[step])

@@ -285,6 +285,12 @@ def test_expert_demonstrations_with_mistakes_teach_recovery_not_the_mistake(setu
                 assert broken in (fixed.rpartition(" ")[0], f"{fixed} it")  # the next action, broken
         assert taken == want
     assert slips > 0
+    # the forecasting targets are the expert's actions only (skip_invalid off, the default)
+    from cope_jax.learning.forecasting import ForecastConfig, target_windows
+    for d in demos:
+        for targets in target_windows(d, ForecastConfig(horizon=3)):
+            assert all(d.is_trained(j) for j in targets)
+        assert sum(map(len, target_windows(d, ForecastConfig(horizon=3)))) > 0
     assert expert_trajectories(runner, ids, max_rounds=20, mistakes=0.5, seed=1)[0].tokens.tolist() == \
         demos[0].tokens.tolist()  # seeded
 
