@@ -3,9 +3,10 @@
 The README's fit table, reproducible: plans every cell (a paper config on a target, full fine-tuning
 or LoRA rank 64) with `launch.plan --mesh=auto --nocost --json`, one process per cell, and writes
 `DIR/<cell>.jsonl` (the planner's records) and `DIR/table.md` (the tables, from whatever cells have a
-record), and the same tables into the marked block of `--doc` (docs/scaling.md). A cell already planned is kept unless --force: an interrupted run resumes where it stopped
-(a 7B plan takes minutes to half an hour on two cores). Cells on one host, and AppWorld's everywhere,
-plan with `--sampler_rows=auto`: the most sampler rows per host that fit.
+record), and the same tables into the marked block of `--doc` (docs/scaling.md). A cell already
+planned is kept unless --force: an interrupted run resumes where it stopped (a 7B plan takes
+minutes to half an hour on two cores). Cells on one host, and AppWorld's everywhere, plan with
+`--sampler_rows=auto`: the most sampler rows per host that fit.
 
 alfworld and webshop plan to the programs of sciworld (same model, row length, window, turn cap
 and batch: `tests/plan/test_fit_table.py` checks the fields), so one row stands for the three.

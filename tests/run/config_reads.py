@@ -6,16 +6,6 @@ import ml_collections
 _BULK = ("to_dict", "to_json", "items", "values", "__eq__", "__repr__", "__str__", "copy_and_resolve_references")
 
 
-def leaves(config, prefix="") -> set[str]:
-    """The dotted name of every leaf field of `config`."""
-    out = set()
-    for key in config.keys():
-        value = config[key]
-        name = f"{prefix}{key}"
-        out |= leaves(value, name + ".") if isinstance(value, ml_collections.ConfigDict) else {name}
-    return out
-
-
 @contextlib.contextmanager
 def recording(config):
     """Yields the set of dotted field names read from `config` (or its sections) by name while the
