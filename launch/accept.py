@@ -39,11 +39,10 @@ from collections.abc import Iterable
 from absl import flags
 
 from launch import cli
-from launch.accept_report import Check, table
+from launch.accept_report import SECTIONS, Check, table
 
 # train first: on CPU its peak is the process's resident memory, which pages freed by an earlier
 # section would hide
-SECTIONS = ("train", "attention", "sampler", "rl")
 flags.DEFINE_list("sections", list(SECTIONS), f"Sections to run, from {SECTIONS}.")
 flags.DEFINE_enum("size", "auto", ["auto", "tiny", "full"], "Shapes: full (accelerators), tiny (CPU, "
                   "minutes), auto: full on TPU / GPU, tiny on CPU.")

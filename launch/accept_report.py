@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 
+SECTIONS = ("train", "attention", "sampler", "rl")  # the order a run and its report take
+
 
 @dataclasses.dataclass
 class Check:

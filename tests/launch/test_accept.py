@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from launch.accept_report import SECTIONS
 from tests.paths import ROOT
 
 
@@ -19,7 +20,6 @@ def test_the_cpu_run_reports_every_section_measured_beside_predicted(tmp_path):
     lines = [json.loads(x) for x in open(tmp_path / "accept.jsonl")]
     summary, checks = lines[0], lines[1:]
     assert summary["backend"] == "cpu" and summary["size"] == "tiny" and summary["chip"] is None
-    from launch.accept import SECTIONS
     assert {c["section"] for c in checks} == set(SECTIONS)
     assert set(summary["seconds"]) == set(SECTIONS)  # a complete run's summary gives each section's seconds
     # attention: both implementations timed at both lengths, blockwise checked against dense
