@@ -45,6 +45,9 @@ class EnvFamily(abc.ABC):
     # list (`tools(task_id)`), no acknowledgement, and each observation in the role given by the
     # step/reset info's 'role' ('tool' results are grouped into <tool_response> user turns).
     chat_layout: str = "react"
+    # How a summary's overall Score / Succ combines the sub-task families (cope_jax/run/metrics.py):
+    # 'count-weighted' over all episodes, or 'family-mean' (the unweighted mean of the families').
+    overall: str = "count-weighted"
 
     def __init__(self) -> None:
         self._rounds = 0

@@ -22,7 +22,7 @@ one agent turn at a time by our own agent stand-in, its user simulators (envs.ta
 evaluator. Y = the evaluator's ALL reward (database/env assertions x action checks x communicated
 info) == 1.0; score is the same reward. A tool call that is not valid JSON is not executed: the
 round is spent and the observation is a tool error. Metrics: per domain, and their unweighted mean
-(`domain_metrics`).
+as the overall (`overall = "family-mean"`, applied by every summary: `cope_jax.run.metrics.summarize`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from envs.base import EnvFamily
 
@@ -123,6 +123,7 @@ class Tau2Env(EnvFamily):
     name = "tau2"
     max_rounds = {"train": 50, "eval": 50}
     chat_layout = "tool_calling"
+    overall = "family-mean"  # the paper's tau2 figure: the unweighted mean of the three domains
     invalid_action_message = EMPTY_REPLY
     multiline_actions = True
 
@@ -351,19 +352,3 @@ def gold_replies(task) -> list[str]:
     replies.append("Thank you. " + " ".join(str(x) for x in info) if info
                    else "Is there anything else I can help you with?")
     return replies
-
-
-def domain_metrics(results: Iterable[tuple[str, float, bool]]) -> dict[str, dict[str, float]]:
-    """(domain, score, success) per evaluated episode -> Score/Succ per domain and 'overall',
-    the unweighted mean over the domains present (paper appendix B.4)."""
-    sums: dict[str, list[float]] = {}
-    for domain, score, success in results:
-        s = sums.setdefault(domain, [0.0, 0.0, 0])
-        s[0] += float(score)
-        s[1] += float(bool(success))
-        s[2] += 1
-    out = {d: {"score": s[0] / s[2], "succ": s[1] / s[2], "n": s[2]} for d, s in sums.items()}
-    if out:
-        out["overall"] = {k: sum(m[k] for m in out.values()) / len(out) for k in ("score", "succ")}
-        out["overall"]["n"] = sum(m["n"] for d, m in out.items() if d != "overall")
-    return out

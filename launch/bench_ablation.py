@@ -333,8 +333,11 @@ def table(records: list[dict], reference: str = REFERENCE) -> list[dict]:
         row = {"arm": arm, "seeds": len(by_seed), "final_step": last,
                "final_succ_mean": round(curve[last][0], 4), "final_succ_se": round(curve[last][1], 4),
                "mean_curve": {str(s): round(m, 4) for s, (m, _) in curve.items()}}
+        # the largest optimizer step's norm (`<key>_max`); records from before it was logged hold
+        # only each step's mean over its optimizer steps, and the row says which (`grad_norm_of`)
+        row["grad_norm_of"] = "optimizer steps" if any("grad_norm_max" in r for r in train) else "step means"
         for key in ("grad_norm", "grad_norm_pg", "grad_norm_af"):
-            values = [r[key] for r in train if key in r]
+            values = [r.get(f"{key}_max", r[key]) for r in train if key in r]
             row[f"max_{key}"] = round(max(values), 4) if values else None
         row["steps_to_reference"] = reached[0] if reached else None
         row["minus_reference_mean"], row["minus_reference_se"] = _paired(by_seed, by_arm.get(reference, {}), last)
@@ -359,8 +362,9 @@ def _markdown(rows: list[dict]) -> str:
     def norm(value):
         return "-" if value is None else f"{value:.2f}"
 
+    of = "" if all(r["grad_norm_of"] == "optimizer steps" for r in rows) else " (of step means)"
     head = ("| arm | seeds | final success (mean ± s.e.) | minus GRPO, paired by seed | steps to GRPO's final "
-            "| max grad norm | max pg / af grad norm |\n| --- | --- | --- | --- | --- | --- | --- |\n")
+            f"| max grad norm{of} | max pg / af grad norm{of} |\n| --- | --- | --- | --- | --- | --- | --- |\n")
     body = "".join(
         f"| {r['arm']} | {r['seeds']} | {pm(r['final_succ_mean'], r['final_succ_se'], r['seeds'])} | "
         f"{pm(r['minus_reference_mean'], r['minus_reference_se'], r['seeds'], '+')} | "

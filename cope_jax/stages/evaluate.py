@@ -30,7 +30,7 @@ def evaluate(parts: Components, step: int, *, split: str | None = None, samples:
     trajs, stats = rollout(parts, runner(parts, "eval"), plan, key, on_progress=bar.to)
     bar.close()
     trajs, faults = faults_lib.drop(trajs, parts.max_fault_fraction, what=f"evaluation at step {step}")
-    summary = metrics_lib.summarize(trajs, overall=getattr(parts.family, "overall", "count-weighted"))
+    summary = metrics_lib.summarize(trajs, overall=parts.family.overall)
     summary.update(split=split, samples=samples, tasks=len(ids), seconds=stats.wall_s, **faults.record(),
                    env_replays=float(stats.replays))
     parts.log.write(name, step, {k: v for k, v in summary.items() if not isinstance(v, dict)}

@@ -31,6 +31,7 @@ from models.config import ConfigError
 from models.safetensors_io import CheckpointError
 from cope_jax.run import distributed
 from cope_jax.run import faults as faults_lib
+from cope_jax.run import metrics as metrics_lib
 from cope_jax.run.build import Components
 from cope_jax.run.checkpoint import TrainCheckpointer
 from cope_jax.learning.forecasting import build_examples
@@ -83,7 +84,8 @@ def train(parts: Components, progress: bool = True, resume: str = "latest") -> d
         examples = build_examples(trajs, parts.chat, parts.forecast_cfg) if parts.forecast_cfg else []
         metrics, host, mbs = learn(parts, learner, parts.loss_cfg, parts.spec, trajs, examples,
                                    groups_per_minibatch=c.train.minibatch_tasks, ref_model=ref_model)
-        record = _step_record(trajs, metrics, host, examples, rstats, mbs, t1 - t0, time.time() - t1)
+        record = _step_record(trajs, metrics, host, examples, rstats, mbs, t1 - t0, time.time() - t1,
+                              parts.family.overall)
         return record | faults.record()
 
     def after(n: int) -> None:
@@ -228,12 +230,12 @@ def _first_error_of_any_host(error: CheckpointError | None) -> CheckpointError |
     return CheckpointError(f"process {process}: {message}")
 
 
-def _step_record(trajs, step_metrics, host, examples, rstats, mbs, rollout_s, train_s) -> dict[str, float]:
-    """The train step's record: episodes, batch statistics, throughput and the optimizer steps' mean
-    metrics."""
+def _step_record(trajs, step_metrics, host, examples, rstats, mbs, rollout_s, train_s, overall) -> dict[str, float]:
+    """The train step's record: episodes (Succ / Score combined as the family's `overall`), batch
+    statistics, throughput and the optimizer steps' metrics (`_combine`)."""
     n = max(1, len(trajs))
-    rec = {"succ": float(np.mean([t.success for t in trajs])) if trajs else 0.0,
-           "score": float(np.mean([t.score for t in trajs])) if trajs else 0.0,
+    summary = metrics_lib.summarize(trajs, overall=overall)
+    rec = {"succ": summary["succ"] if trajs else 0.0, "score": summary["score"] if trajs else 0.0,
            "mean_steps": sum(t.num_steps for t in trajs) / n,
            "context_full": sum(t.finish_reason == "context_full" for t in trajs) / n,
            "af_examples": float(len(examples)), "minibatches": float(len(mbs)),
@@ -244,7 +246,16 @@ def _step_record(trajs, step_metrics, host, examples, rstats, mbs, rollout_s, tr
            **{k: float(v) for k, v in host.items()}}
     tokens = sum(float(m.batch.segment_ids.astype(bool).sum()) for m in mbs)
     rec["train_tokens_per_s"] = tokens / max(train_s, 1e-9)
-    if step_metrics:
-        for k in step_metrics[0]:
-            rec[k] = float(np.mean([m[k] for m in step_metrics if k in m]))
-    return rec
+    return rec | _combine(step_metrics)
+
+
+def _combine(step_metrics: list[dict]) -> dict[str, float]:
+    """One value per key over a step's optimizer steps: a `*_max` key's max, any other key's mean;
+    each gradient norm also as `<key>_max`, its largest optimizer step (what a spike looks like)."""
+    out = {}
+    for k in (step_metrics[0] if step_metrics else {}):
+        values = [float(m[k]) for m in step_metrics if k in m]
+        out[k] = max(values) if k.endswith("_max") else float(np.mean(values))
+        if k.startswith("grad_norm"):
+            out[f"{k}_max"] = max(values)
+    return out

@@ -197,7 +197,14 @@ def test_the_table_is_recomputed_from_the_json_lines():
     assert rows["cope"]["minus_reference_mean"] == 0.25
     assert rows["cope"]["minus_reference_se"] == round(math.sqrt(0.045 / 2), 4)
     assert rows["grpo"]["minus_reference_mean"] == 0.0 and rows["grpo"]["minus_reference_se"] == 0.0
-    assert "| cope | 2 | 0.650 ± 0.050 | +0.250 ± 0.150 | 5 | 7.50 | - / 2.00 |" in ab._markdown(list(rows.values()))
+    table = ab._markdown(list(rows.values()))
+    assert "| cope | 2 | 0.650 ± 0.050 | +0.250 ± 0.150 | 5 | 7.50 | - / 2.00 |" in table
+    assert "| max grad norm (of step means) |" in table  # these records hold step means only
+    # a step's largest optimizer step (`grad_norm_max`) is the max, where the records have it
+    records[-1] |= {"grad_norm_max": 9.0, "grad_norm_af_max": 3.0}
+    rows = {r["arm"]: r for r in ab.table(records)}
+    assert rows["cope"]["max_grad_norm"] == 9.0 and rows["cope"]["max_grad_norm_af"] == 3.0
+    assert "| max grad norm |" in ab._markdown([rows["cope"]])
 
 
 def test_an_arm_that_ties_the_reference_reaches_it():
