@@ -37,4 +37,6 @@ def paper_config(env: str, method: str):
     # (about a third more matmul FLOPs). Where memory allows (`launch.plan` says), `dots` is faster.
     c.model.update(init="pretrained", path="", preset=p.get("policy", "Qwen2.5-7B-Instruct"), remat="full")
     c.tokenizer = "model"
+    if env == "tau2":  # appendix A: every episode against an LLM customer at temperature 0.7
+        c.env.user.update(kind="llm", temperature=0.7)
     return c

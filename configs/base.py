@@ -47,6 +47,13 @@ def base_config(method: str = "cope") -> ml_collections.ConfigDict:
         # an episode lost to its worker (the process died or hung) is played again from its start
         # up to this many times before it counts as a fault (cope_jax/rollout/runner.py)
         max_replays=2,
+        # tau2's simulated customer (envs/tau2_users.py); '' for families without one. 'llm': tau2's
+        # user simulator generating at `base_url` (any OpenAI-compatible /v1 endpoint) with `model`
+        # at `temperature`, the key read from the variable `api_key_env` ('' = none), each call
+        # given up after `timeout` s and within the step's deadline (env.call_timeout); 'gold': the
+        # task's scripted gold customer (tests: it ends retail / airline episodes early)
+        user=ml_collections.ConfigDict(dict(kind="", base_url="", model="", temperature=0.7,
+                                            api_key_env="", timeout=60.0)),
     ))
     c.rollout = ml_collections.ConfigDict(dict(
         tasks_per_step=16, group_size=8,  # train batch (all hosts together): 16 tasks x 8 rollouts

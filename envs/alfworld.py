@@ -32,7 +32,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from envs.base import EnvFamily
+from envs.base import EnvDataError, EnvFamily
 
 # ALFRED task type (the game folder's prefix) -> family name used in metrics.
 TASK_TYPES = {
@@ -98,11 +98,11 @@ def list_games(data_dir: str | Path, split: str, game_list: str | Path | None = 
         games = [root / rel / "game.tw-pddl" for rel in _read_list(game_list)]
         missing = [str(g) for g in games if not g.exists()]
         if missing:
-            raise FileNotFoundError(f"{len(missing)} games of {game_list} are missing under "
+            raise EnvDataError(f"{len(missing)} games of {game_list} are missing under "
                                     f"{root}, e.g. {missing[0]}")
         return games
     if not root.is_dir():
-        raise FileNotFoundError(
+        raise EnvDataError(
             f"ALFWorld data not found: {root} does not exist. Point data_dir (or $ALFWORLD_DATA) "
             f"at the folder holding json_2.1.1/train and json_2.1.1/valid_train, e.g. the one "
             f"`alfworld-download` fills.")
@@ -132,7 +132,7 @@ class AlfWorldEnv(EnvFamily):
         """Every game file, indexed by task id (train games, then test games)."""
         if self._games is None:
             if not self.data_dir:
-                raise FileNotFoundError(
+                raise EnvDataError(
                     "ALFWorld data not found: set data_dir or $ALFWORLD_DATA to the folder "
                     "holding json_2.1.1/train and json_2.1.1/valid_train.")
             self._games = {s: list_games(self.data_dir, s, self.lists[s]) for s in SPLIT_DIRS}

@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from envs.base import EnvFamily
+from envs.base import LAUNCH_DIR, EnvDataError, EnvFamily
 
 DATASETS = ("train", "dev", "test_normal", "test_challenge")
 SIZES = {"train": 90, "dev": 57, "test_normal": 168, "test_challenge": 417}
@@ -50,7 +50,7 @@ def read_dataset(root: str | Path, name: str) -> list[str]:
     data = Path(root) / "data"
     path = data / "datasets" / f"{name}.txt"
     if not (data / "tasks").is_dir() or not path.exists():
-        raise FileNotFoundError(
+        raise EnvDataError(
             f"AppWorld data not found: {path if (data / 'tasks').is_dir() else data / 'tasks'} "
             f"is missing (APPWORLD_ROOT={root}); {SETUP_HINT}")
     return [line.strip().split(":")[0] for line in path.read_text().splitlines() if line.strip()]
@@ -70,7 +70,7 @@ class AppWorldEnv(EnvFamily):
         if test_split not in ("test_normal", "test_challenge"):
             raise ValueError(f"test_split must be test_normal or test_challenge, "
                              f"not {test_split!r}")
-        self.root = root or os.environ.get("APPWORLD_ROOT") or os.getcwd()
+        self.root = root or os.environ.get("APPWORLD_ROOT") or os.environ.get(LAUNCH_DIR) or os.getcwd()
         self.test_split = test_split
         self.experiment_name = experiment_name
         self.check_sizes = check_sizes
@@ -135,7 +135,7 @@ class AppWorldEnv(EnvFamily):
         missing = [p for p in (data / "tasks" / task / "specs.json", data / "base_dbs")
                    if not p.exists()]
         if missing:
-            raise FileNotFoundError(f"AppWorld data incomplete: {', '.join(map(str, missing))} "
+            raise EnvDataError(f"AppWorld data incomplete: {', '.join(map(str, missing))} "
                                     f"missing; {SETUP_HINT}")
         appworld.update_root(self.root)
         self.close()

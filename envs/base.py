@@ -24,6 +24,14 @@ from envs.parsing import parse_action as _parse_action
 SPLITS = ("train", "test")
 
 
+# the trainer's working directory, for workers that start in one of their own (FamilySpec.own_cwd)
+LAUNCH_DIR = "COPE_LAUNCH_DIR"
+
+
+class EnvDataError(FileNotFoundError):
+    """The family's data or package is missing; the message names it and how to get it."""
+
+
 class EnvFamily(abc.ABC):
     """Base class of an environment family; one instance holds at most one live episode."""
 
@@ -58,6 +66,11 @@ class EnvFamily(abc.ABC):
     # ---- static side -------------------------------------------------------------------
     # split name -> task ids; families with a fixed table just set it (others override task_ids)
     split_ids: Mapping[str, Sequence[int]] = {}
+
+    @classmethod
+    def warm_up(cls) -> None:
+        """What a worker does once before it reports ready (under the family's start timeout), so
+        the first reset's call deadline does not pay for it: heavy imports. Default: nothing."""
 
     def task_ids(self, split: str) -> list[int]:
         """Task ids of `split` ('train' or 'test'), a stable list."""

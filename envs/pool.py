@@ -38,6 +38,7 @@ import collections
 import json
 import os
 import selectors
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -47,9 +48,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Hashable, Mapping
 
+from envs.base import LAUNCH_DIR
 from envs.registry import FamilySpec, family_python, get_spec
 
 _REPO_ROOT = str(Path(__file__).resolve().parent.parent)
+# what every worker takes from the trainer's environment: the interpreter's, locale's and JVM's
+# basics. A family adds the variables it reads (FamilySpec.env_vars), a pool its `env_vars` (a
+# tau2 customer's key); anything else (API keys, cloud credentials) stays in the trainer.
+BASE_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "TZ",
+            "TMPDIR", "TERM", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "JAVA_HOME", "PYTHONPATH", "PYTHONHASHSEED",
+            "GLIBC_TUNABLES")
 _MAX_START_FAILURES = 3          # consecutive failed starts before a family is declared broken
 _CLOSE_GRACE = 2.0               # seconds a worker gets to exit cleanly on close()
 
@@ -148,6 +156,7 @@ class EnvPool:
         (default: the family's FamilySpec.call_timeout).
       python: family -> interpreter path (default: envs.registry.family_python).
       family_kwargs: family -> constructor kwargs of its EnvFamily.
+      env_vars: family -> more variables of this process's environment its workers get (BASE_ENV).
       specs: extra or replacement FamilySpecs by name (e.g. a family defined outside envs/).
     """
 
@@ -155,6 +164,7 @@ class EnvPool:
                  call_timeout: float | Mapping[str, float] | None = None,
                  python: Mapping[str, str] | None = None,
                  family_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+                 env_vars: Mapping[str, tuple[str, ...]] | None = None,
                  specs: Mapping[str, FamilySpec] | None = None) -> None:
         if envs_per_worker < 1:
             raise ValueError(f"envs_per_worker={envs_per_worker}: need at least one environment per worker")
@@ -167,6 +177,9 @@ class EnvPool:
                         for name, spec in self._specs.items()}
         self._kwargs = {name: {**spec.kwargs, **dict((family_kwargs or {}).get(name, {}))}
                         for name, spec in self._specs.items()}
+        self._env_vars = {name: BASE_ENV + spec.env_vars + tuple((env_vars or {}).get(name, ()))
+                          for name, spec in self._specs.items()}
+        self._cwds: dict[str, str] = {}  # family -> its workers' own directory (FamilySpec.own_cwd)
         self._episodes: dict[Hashable, _EpisodeSlot] = {}
         self._waiting: dict[str, collections.deque[_Request]] = {
             name: collections.deque() for name in workers}
@@ -314,6 +327,8 @@ class EnvPool:
                 except subprocess.TimeoutExpired:
                     pass
             self._kill(w)
+        for cwd in self._cwds.values():
+            shutil.rmtree(cwd, ignore_errors=True)
         self._sel.close()
         _LIVE_POOLS.discard(self)
 
@@ -330,19 +345,29 @@ class EnvPool:
             pass
 
     # ---- workers ------------------------------------------------------------------------------
-    def _spawn(self, w: _Worker) -> None:
-        env = dict(os.environ)
+    def _worker_env(self, family: str) -> tuple[dict[str, str], str | None]:
+        """A worker's environment (the allow-listed variables, BASE_ENV) and working directory."""
+        env = {k: os.environ[k] for k in self._env_vars[family] if k in os.environ}
         env["PYTHONPATH"] = os.pathsep.join(
             [_REPO_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
         env["PYTHONUNBUFFERED"] = "1"
         env["PYTHONIOENCODING"] = "utf-8"
+        if not self._specs[family].own_cwd:
+            return env, None
+        if family not in self._cwds:
+            self._cwds[family] = tempfile.mkdtemp(prefix=f"cope-{family}-")
+        env[LAUNCH_DIR] = os.getcwd()
+        return env, self._cwds[family]
+
+    def _spawn(self, w: _Worker) -> None:
+        env, cwd = self._worker_env(w.family)
         w.stderr = tempfile.TemporaryFile()
         w.buf = bytearray()
         w.killed = False
         try:
             w.proc = subprocess.Popen(
                 [self._python[w.family], "-m", "envs.worker"], stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=w.stderr, env=env, start_new_session=True)
+                stdout=subprocess.PIPE, stderr=w.stderr, env=env, cwd=cwd, start_new_session=True)
         except OSError as e:  # no such interpreter: retrying will not help
             w.proc, w.state = None, "dead"
             w.stderr.close()

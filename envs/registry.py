@@ -29,6 +29,11 @@ class FamilySpec:
     # over a socket); pure-Python or shared-state families answer one call at a time
     concurrent_slots: bool = False
     kwargs: dict[str, Any] = field(default_factory=dict)
+    # variables of the trainer's environment the workers read, beyond envs/pool.py's BASE_ENV (the
+    # rest, credentials included, stay in the trainer)
+    env_vars: tuple[str, ...] = ()
+    # workers start in an empty directory of their own: for families that run the policy's code
+    own_cwd: bool = False
 
     @property
     def python_env(self) -> str:
@@ -39,11 +44,14 @@ FAMILIES: dict[str, FamilySpec] = {
     spec.name: spec for spec in (
         FamilySpec("builtin", "envs.builtin:BuiltinEnv", call_timeout=10.0),
         FamilySpec("sciworld", "envs.sciworld:SciWorldEnv", call_timeout=60.0, concurrent_slots=True),
-        FamilySpec("alfworld", "envs.alfworld:AlfWorldEnv", call_timeout=60.0),
-        FamilySpec("webshop", "envs.webshop:WebShopEnv", call_timeout=60.0, start_timeout=300.0),
+        FamilySpec("alfworld", "envs.alfworld:AlfWorldEnv", call_timeout=60.0, env_vars=("ALFWORLD_DATA",)),
+        FamilySpec("webshop", "envs.webshop:WebShopEnv", call_timeout=60.0, start_timeout=300.0,
+                   env_vars=("WEBSHOP_ROOT",)),
+        # the policy's code runs in AppWorld's REPL inside the worker
         FamilySpec("appworld", "envs.appworld:AppWorldEnv", call_timeout=120.0,
-                   start_timeout=300.0),
-        FamilySpec("tau2", "envs.tau2:Tau2Env", call_timeout=120.0, start_timeout=180.0),
+                   start_timeout=300.0, env_vars=("APPWORLD_ROOT",), own_cwd=True),
+        FamilySpec("tau2", "envs.tau2:Tau2Env", call_timeout=120.0, start_timeout=180.0,
+                   env_vars=("COPE_TAU2_LOG_LEVEL",)),
         # Fault injection for the pool's tests (crash / hang / raise on command).
         FamilySpec("chaos", "envs.chaos:ChaosEnv", call_timeout=10.0),
     )

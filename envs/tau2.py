@@ -28,9 +28,11 @@ as the overall (`overall = "family-mean"`, applied by every summary: `cope_jax.r
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -127,9 +129,13 @@ class Tau2Env(EnvFamily):
     invalid_action_message = EMPTY_REPLY
     multiline_actions = True
 
-    def __init__(self, user: dict | None = None, evaluation: str = "all", seed: int = 0) -> None:
+    def __init__(self, user: dict | None = None, evaluation: str = "all", seed: int = 0,
+                 user_seconds: float | None = None) -> None:
         super().__init__()
         self.user_spec = dict(user or {"kind": "gold"})
+        # each reset / step may spend this long in the customer's calls (None: only their timeout)
+        self.user_seconds = user_seconds
+        self._deadline = math.inf
         self.evaluation = evaluation
         self.seed = seed
         self._orch = None
@@ -150,6 +156,15 @@ class Tau2Env(EnvFamily):
 
     def acknowledgement(self) -> str:
         raise NotImplementedError("tau2 has no acknowledgement turn (appendix C.5)")
+
+    @classmethod
+    def warm_up(cls) -> None:
+        """tau2's registry, orchestrator and user classes: seconds of imports, once per worker."""
+        from envs.tau2_users import _classes
+        from tau2.orchestrator.orchestrator import Orchestrator  # noqa: F401
+        _registry()
+        _agent_class()
+        _classes()
 
     def task_family(self, task_id: int) -> str:
         return POOL[int(task_id)][0]
@@ -200,11 +215,12 @@ class Tau2Env(EnvFamily):
     def _reset(self, task_id: int) -> tuple[str, dict[str, Any]]:
         from envs.tau2_users import make_user
         from tau2.orchestrator.orchestrator import Orchestrator
+        self._deadline = time.monotonic() + (self.user_seconds or math.inf)
         domain = self.task_family(task_id)
         task = self.load_task(task_id)
         environment = self._environment(domain)
         agent = _agent_class()()
-        user = make_user(self.user_spec, task, environment)
+        user = make_user(self.user_spec, task, environment, time_left=lambda: self._deadline - time.monotonic())
         self._orch = Orchestrator(domain, agent, user, environment, task, max_steps=10 ** 9,
                                   max_errors=10 ** 9, seed=self.seed)
         self._orch.initialize()
@@ -231,6 +247,7 @@ class Tau2Env(EnvFamily):
         else:
             message = AssistantMessage(role="assistant", content=action)
         message.timestamp = get_now()
+        self._deadline = time.monotonic() + (self.user_seconds or math.inf)
         self._orch.agent.pending = message
         self._orch.step()  # the agent's turn: our message enters the trajectory
         if self._orch.done:  # the agent itself may not end the episode, but keep tau2's rule

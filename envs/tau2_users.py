@@ -26,7 +26,7 @@ import json
 import os
 import urllib.error
 import urllib.request
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 STOP = "###STOP###"
 TRANSFER = "###TRANSFER###"
@@ -46,12 +46,13 @@ class OpenAIChatBackend:
 
     def __init__(self, base_url: str, model: str, temperature: float = 0.7,
                  api_key_env: str | None = "OPENAI_API_KEY", timeout: float = 120.0,
-                 max_tokens: int | None = None) -> None:
+                 max_tokens: int | None = None, time_left: Callable[[], float] | None = None) -> None:
         if not base_url:
             raise ValueError("the llm user needs base_url (an OpenAI-compatible endpoint)")
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.model, self.temperature, self.timeout = model, temperature, timeout
         self.max_tokens = max_tokens
+        self.time_left = time_left  # seconds the current environment step has left for the customer
         self.api_key = os.environ.get(api_key_env, "") if api_key_env else ""
 
     def complete(self, messages: list[dict], tools: list[dict] | None) -> dict:
@@ -65,11 +66,14 @@ class OpenAIChatBackend:
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         request = urllib.request.Request(self.url, json.dumps(body).encode("utf-8"), headers)
+        timeout = self.timeout if self.time_left is None else min(self.timeout, self.time_left())
+        if timeout <= 0:
+            raise RuntimeError(f"user simulator endpoint {self.url}: the step's time for the customer is spent")
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
                 reply = json.loads(response.read().decode("utf-8"))
-        except urllib.error.URLError as e:
-            raise RuntimeError(f"user simulator endpoint {self.url} failed: {e}") from e
+        except (urllib.error.URLError, OSError) as e:  # TimeoutError is an OSError
+            raise RuntimeError(f"user simulator endpoint {self.url} failed within {timeout:.3g} s: {e}") from e
         message = reply["choices"][0]["message"]
         calls = []
         for call in message.get("tool_calls") or []:
@@ -99,8 +103,10 @@ def gold_script(task) -> list[dict]:
     return turns + [{"content": STOP}]
 
 
-def make_user(spec: dict, task, environment, backend: ChatBackend | None = None):
-    """A tau2 BaseUser for one episode of `task` in `environment` (inside the worker)."""
+def make_user(spec: dict, task, environment, backend: ChatBackend | None = None,
+              time_left: Callable[[], float] | None = None):
+    """A tau2 BaseUser for one episode of `task` in `environment` (inside the worker); an `llm`
+    customer's calls end by `time_left()` seconds (the step's share of its deadline)."""
     kind = spec.get("kind", "gold")
     if kind == "gold":
         return _classes()["ScriptedUser"](gold_script(task))
@@ -111,7 +117,7 @@ def make_user(spec: dict, task, environment, backend: ChatBackend | None = None)
             backend = OpenAIChatBackend(spec.get("base_url", ""), spec.get("model", "user"),
                                         spec.get("temperature", 0.7),
                                         spec.get("api_key_env", "OPENAI_API_KEY"),
-                                        spec.get("timeout", 120.0), spec.get("max_tokens"))
+                                        spec.get("timeout", 120.0), spec.get("max_tokens"), time_left)
         tools = environment.user_tools.get_tools() if environment.user_tools else None
         return _classes()["BackendUser"](backend, tools=tools,
                                          instructions=str(task.user_scenario))

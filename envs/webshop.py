@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from envs.base import EnvFamily
+from envs.base import EnvDataError, EnvFamily
 
 NUM_GOALS = 6910
 NUM_TEST, NUM_TRAIN = 200, 3930
@@ -70,14 +70,14 @@ SPLIT_IDS = _split_ids()
 def check_install(root: str | Path | None) -> Path:
     """The WebShop checkout, or FileNotFoundError naming what is missing and how to get it."""
     if not root:
-        raise FileNotFoundError(
+        raise EnvDataError(
             "WebShop is not set up: give the family's `root` (or $WEBSHOP_ROOT), a WebShop "
             "checkout prepared by envs/setup/webshop.sh, which names every step.")
     root = Path(root)
     missing = [f"{rel} ({why})" for rel, why in REQUIRED.items() if not (root / rel).exists()
                or ((root / rel).is_dir() and not any((root / rel).iterdir()))]
     if missing:
-        raise FileNotFoundError(f"WebShop checkout {root} lacks: " + "; ".join(missing)
+        raise EnvDataError(f"WebShop checkout {root} lacks: " + "; ".join(missing)
                                 + ". See envs/setup/webshop.sh.")
     return root
 

@@ -147,6 +147,7 @@ def _serve(chan: _Channel) -> None:
         sys.path[:0] = [p for p in init.get("sys_path", []) if p not in sys.path]
         from envs.registry import import_target
         cls = import_target(init["target"])
+        cls.warm_up()
         kwargs = init.get("kwargs", {})
     except Exception:  # noqa: BLE001 - reported to the parent, which fails the requests
         chan.send({"ready": False, "reason": traceback.format_exc(limit=5)})

@@ -40,6 +40,7 @@ from absl import flags
 
 from launch import cli
 from launch.accept_report import SECTIONS, Check, table
+from models.config import ConfigError
 
 # train first: on CPU its peak is the process's resident memory, which pages freed by an earlier
 # section would hide
@@ -86,7 +87,7 @@ def main(argv):
 
     unknown = sorted(set(FLAGS.sections) - set(SECTIONS))
     if unknown:
-        raise ValueError(f"--sections: unknown {', '.join(unknown)}; expected some of {', '.join(SECTIONS)}")
+        raise ConfigError(f"--sections: unknown {', '.join(unknown)}; expected some of {', '.join(SECTIONS)}")
     size = FLAGS.size if FLAGS.size != "auto" else ("tiny" if jax.default_backend() == "cpu" else "full")
     if FLAGS.topology:
         from cope_jax.plan import targets

@@ -50,6 +50,7 @@ import numpy as np
 from absl import flags
 
 from cope_jax.run import metrics as metrics_lib
+from models.config import ConfigError
 
 flags.DEFINE_string("ablation_dir", "runs/ablation", "Sweep directory (runs, results, report).")
 flags.DEFINE_list("ablation_arms", None, "Arms to run (default: all of ARMS); empty: only the warm start.")
@@ -100,7 +101,7 @@ PANELS = {
 def arm_config(arm: Arm, seed: int):
     """The config of one (arm, seed) run: the sweep's shared settings, then the arm's one change."""
     if not os.path.isfile(FLAGS.ablation_config):
-        raise ValueError(f"--ablation_config={FLAGS.ablation_config}: no such config file (e.g. configs/demo.py)")
+        raise ConfigError(f"--ablation_config={FLAGS.ablation_config}: no such config file (e.g. configs/demo.py)")
     spec = importlib.util.spec_from_file_location("ablation_config", FLAGS.ablation_config)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -123,14 +124,14 @@ def _parse_setting(c, setting: str) -> tuple[str, object]:
     field, sep, text = setting.partition("=")
     section, _, name = field.partition(".")
     if not sep or section not in c or not isinstance(c[section], ml_collections.ConfigDict) or name not in c[section]:
-        raise ValueError(f"--ablation_set={setting}: expected section.field=value with a field of the config "
+        raise ConfigError(f"--ablation_set={setting}: expected section.field=value with a field of the config "
                          f"(e.g. model.path=ckpt/qwen25-7b)")
     if isinstance(c[section][name], str):
         return field, text
     try:
         return field, ast.literal_eval(text)
     except (ValueError, SyntaxError):
-        raise ValueError(f"--ablation_set={setting}: {text!r} is not a value for {field} "
+        raise ConfigError(f"--ablation_set={setting}: {text!r} is not a value for {field} "
                          f"(now {c[section][name]!r})") from None
 
 
@@ -139,7 +140,7 @@ def _set(c, field: str, value) -> None:
     try:
         c[section][name] = value
     except TypeError as e:
-        raise ValueError(f"{field}={value!r}: {e}") from None
+        raise ConfigError(f"{field}={value!r}: {e}") from None
 
 
 def _settings(c) -> str:
@@ -199,7 +200,7 @@ def _one_start(records: list[dict], where: str) -> None:
     whose warm start came out different): their arms did not start together."""
     starts = sorted({r.get("warmstart", "") for r in records})
     if len(starts) > 1:
-        raise ValueError(f"{where}: results from different warm starts ({', '.join(repr(s) for s in starts)}); "
+        raise ConfigError(f"{where}: results from different warm starts ({', '.join(repr(s) for s in starts)}); "
                          f"every arm must start from one (keep one warm start's results per directory)")
 
 
@@ -415,7 +416,7 @@ def _plot(records: list[dict], path: str) -> None:
 def report(root: str) -> list[dict]:
     records = read_results(root)
     if not records:
-        raise ValueError(f"{root}: no results yet (results/*.jsonl); run some arms first")
+        raise ConfigError(f"{root}: no results yet (results/*.jsonl); run some arms first")
     _one_start(records, root)
     rows = table(records)
     for row in rows:
@@ -433,7 +434,7 @@ def run(argv: list[str]) -> None:
         names = [a.name for a in ARMS] if FLAGS.ablation_arms is None else FLAGS.ablation_arms
         unknown = [n for n in names if n not in ARMS_BY_NAME]
         if unknown:
-            raise ValueError(f"--ablation_arms: unknown arms {unknown}; expected some of {list(ARMS_BY_NAME)}")
+            raise ConfigError(f"--ablation_arms: unknown arms {unknown}; expected some of {list(ARMS_BY_NAME)}")
         arm_config(ARMS_BY_NAME[REFERENCE], 0)  # a bad config or --ablation_set refuses before anything is written
         os.makedirs(root, exist_ok=True)
         warm = _warmstart(root)

@@ -29,6 +29,7 @@ import time
 
 import numpy as np
 from absl import flags
+from models.config import ConfigError
 
 CONFIGS = {
     # name: (Qwen2 config kwargs, new tokens)
@@ -138,7 +139,7 @@ def run(argv: list[str]) -> None:
 
     for name in FLAGS.sampler_configs:
         if name not in CONFIGS:
-            raise ValueError(f"unknown sampler config {name!r}; known: {sorted(CONFIGS)}")
+            raise ConfigError(f"unknown sampler config {name!r}; known: {sorted(CONFIGS)}")
     for name in FLAGS.sampler_configs:
         kw, default_new = CONFIGS[name]
         new_tokens = FLAGS.sampler_new_tokens or default_new

@@ -2,12 +2,14 @@
 binaries that run on several hosts join the multi-host run, and report a refused input in one line.
 
 A refusal (a bad flag value, a missing or mismatched file, a config the run cannot take, too many
-environment faults) is an exception of `REFUSALS`: `run` prints `<binary>: error: <why>` and exits 1,
+environment faults) is an exception of `refusals()`: `run` prints `<binary>: error: <why>` and exits 1,
 with the traceback only under --verbose. Anything else is a bug and keeps its traceback.
 """
 from __future__ import annotations
 
+import ast
 import os
+import re
 import sys
 from typing import Callable
 
@@ -19,10 +21,20 @@ flags.DEFINE_bool("verbose", False, "On a refused input, show the traceback behi
 
 
 def refusals() -> tuple[type[BaseException], ...]:
-    """The exceptions that mean "this input cannot run" (all carry a one-line message)."""
+    """The exceptions that mean "this input cannot run", each raised with a one-line message where
+    an input is checked. Any other exception, a ValueError from numpy or JAX included, is a bug."""
+    from cope_jax.plan.measure import CompileError
+    from cope_jax.rollout.tokenizer import TokenizerError
     from cope_jax.run.faults import FaultError
+    from cope_jax.stages.runs import RunDirectoryError
+    from envs.base import EnvDataError
+    from models.config import ConfigError
+    from models.lora import LoraConfigError
+    from models.model_dir import DestinationError
+    from models.safetensors_io import CheckpointError
 
-    return (ValueError, OSError, FaultError)  # ConfigError, CheckpointError, TokenizerError are ValueErrors
+    return (ConfigError, CheckpointError, TokenizerError, LoraConfigError, DestinationError, RunDirectoryError,
+            EnvDataError, FaultError, CompileError)
 
 
 def run(main: Callable[[list[str]], None]) -> None:
@@ -41,6 +53,10 @@ def run(main: Callable[[list[str]], None]) -> None:
             # a config file's error carries its traceback: the flag and the exception's last line
             lines = [line.strip() for line in str(e).splitlines() if line.strip()]
             _refuse(name, lines[0] if len(lines) == 1 else f"{lines[0].rstrip(':')}: {lines[-1]}")
+        except (KeyError, AttributeError) as e:  # ml_collections: a --config.<field> the config lacks
+            if verbose:
+                raise
+            _refuse(name, _unknown_field(argv, e))
 
     def guarded(argv):
         try:
@@ -60,12 +76,37 @@ def _check_config_file() -> None:
         return
     path = flags.FLAGS["config"].config_filename
     if not os.path.isfile(path.split(":", 1)[0]):
-        raise FileNotFoundError(f"--config={path}: no such config file")
+        from models.config import ConfigError
+
+        raise ConfigError(f"--config={path}: no such config file")
+
+
+def _unknown_field(argv: list[str], error: Exception) -> str:
+    """`--config.trian.steps=3: no field 'trian' (did you mean 'train'?)` from ml_collections' error."""
+    text = str(error.args[0] if error.args else error)
+    for _ in range(3):  # the message may arrive quoted inside another KeyError's
+        try:
+            inner = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            break
+        if not isinstance(inner, str):
+            break
+        text = inner
+    lines = text.splitlines()
+    missing = lines[0].strip("'\"")
+    flag = next((a for a in argv[1:] if a.startswith("--config.") and missing in a.split("=")[0].split(".")), None)
+    hint = re.search(r'Did you mean "([^"]+)"', " ".join(lines))
+    return (f"{flag or '--config'}: no field '{missing}'" + (f" (did you mean '{hint.group(1)}'?)" if hint else ""))
 
 
 def _refuse(name: str, message: str) -> None:
     print(f"{name}: error: {message}", file=sys.stderr, flush=True)
+    # background threads (Orbax's asyncio loop after a failed restore) may print teardown errors
+    # while the interpreter exits: the refusal stays one line
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
     sys.exit(1)
+
+
 def define_multihost_flags() -> None:
     """Flags of `start`'s multi-host join (train and eval define them)."""
     flags.DEFINE_bool("multihost", False, "Join a multi-host run (jax.distributed.initialize) before "

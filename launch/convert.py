@@ -20,6 +20,7 @@ import time
 from absl import app, flags
 
 from launch import cli
+from models.config import ConfigError
 
 MODES = {"hf_to_orbax": ("hf", "orbax"), "orbax_to_hf": ("orbax", "hf")}
 
@@ -46,21 +47,21 @@ def convert(mode: str, src: str, dst: str, *, dtype: str | None = None, max_shar
     from models import hf_io, model_dir, orbax_io
 
     if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; choose from {sorted(MODES)}")
+        raise ConfigError(f"unknown mode {mode!r}; choose from {sorted(MODES)}")
     if os.path.abspath(src) == os.path.abspath(dst):
-        raise ValueError(f"--dst must differ from --src ({src})")
+        raise ConfigError(f"--dst must differ from --src ({src})")
     src_kind, dst_kind = MODES[mode]
     model_dir.check_destination(os.path.abspath(dst), overwrite)  # fail fast, before reading anything
     lora_base = _lora_step_base(src)
     if lora_base is not None:
         if mode != "orbax_to_hf":
-            raise ValueError(f"{src}: a LoRA run's checkpoint step holds adapters only: convert it with --mode=orbax_to_hf")
+            raise ConfigError(f"{src}: a LoRA run's checkpoint step holds adapters only: convert it with --mode=orbax_to_hf")
         config_dir = config_dir or lora_base  # its config.json and tokenizer files
     found = model_dir.kind(src)
     if found != src_kind:
-        raise ValueError(f"{src}: is an {found} model directory, but --mode={mode} reads {src_kind}")
+        raise ConfigError(f"{src}: is an {found} model directory, but --mode={mode} reads {src_kind}")
     if found == "orbax" and not os.path.isfile(os.path.join(config_dir or src, model_dir.CONFIG_FILE)):
-        raise ValueError(f"{config_dir or src}: no {model_dir.CONFIG_FILE}; for a training checkpoint "
+        raise ConfigError(f"{config_dir or src}: no {model_dir.CONFIG_FILE}; for a training checkpoint "
                          f"step pass --config_dir=DIR (a directory with the model's config.json)")
     hf_io.parse_size(max_shard_size)  # validate before the (long) load
     from tqdm import tqdm
@@ -105,10 +106,10 @@ def _lora_step_base(src: str) -> str | None:
     if run["warmstart"]["steps"] > 0:
         base = os.path.join(workdir, "warmstart")
         if not os.path.isdir(base):
-            raise ValueError(f"{src}: a LoRA step whose base is the run's warm start, and {base} is missing")
+            raise ConfigError(f"{src}: a LoRA step whose base is the run's warm start, and {base} is missing")
         return base
     if not run["model"]["path"]:
-        raise ValueError(f"{src}: a LoRA step of a randomly initialised model without a warm start has no "
+        raise ConfigError(f"{src}: a LoRA step of a randomly initialised model without a warm start has no "
                          "stored base to merge its adapters into")
     return run["model"]["path"]
 
@@ -131,7 +132,7 @@ def _lora_step_model(src: str, base: str, mesh):
         try:
             adapters = checkpointer.restore(os.path.join(src, "params"), abstract)
         except Exception as e:  # Orbax / TensorStore raise their own types
-            raise ValueError(f"{src}/params: not the adapters of rank {lora.rank} on {lora.targets}: "
+            raise ConfigError(f"{src}/params: not the adapters of rank {lora.rank} on {lora.targets}: "
                              f"{str(e).strip().splitlines()[0][:200]}") from None
     nnx.update(model, adapters)
     return model, model.cfg

@@ -23,6 +23,7 @@ from absl import flags
 
 from cope_jax.run import files
 from launch import cli
+from models.config import ConfigError
 
 flags.DEFINE_string("out", "docs/fit", "Directory of the cells' records and table.md.")
 flags.DEFINE_list("cells", [], "Plan only the cells whose name contains one of these (e.g. lora64-v6e-8).")
@@ -147,7 +148,7 @@ def render(out: str) -> str:
 def main(argv):
     chosen = [c for c in cells() if not FLAGS.cells or any(s in c.name for s in FLAGS.cells)]
     if FLAGS.cells and not chosen:
-        raise ValueError(f"--cells={','.join(FLAGS.cells)}: no cell matches; cells are named like "
+        raise ConfigError(f"--cells={','.join(FLAGS.cells)}: no cell matches; cells are named like "
                          f"{cells()[0].name}")
     os.makedirs(FLAGS.out, exist_ok=True)
     for cell in [] if FLAGS.render_only else chosen:
@@ -168,7 +169,7 @@ def main(argv):
 def splice(doc: str, tables: str, name: str = "the document") -> str:
     """`doc` with the text between its BEGIN and END markers replaced by `tables`."""
     if doc.count(BEGIN) != 1 or doc.count(END) != 1 or doc.index(BEGIN) > doc.index(END):
-        raise ValueError(f"{name}: expected one '{BEGIN}' line and one '{END}' after it")
+        raise ConfigError(f"{name}: expected one '{BEGIN}' line and one '{END}' after it")
     head, rest = doc.split(BEGIN)
     return f"{head}{BEGIN}\n{tables}{END}{rest.split(END)[1]}"
 

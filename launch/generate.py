@@ -16,6 +16,7 @@ import os
 from absl import flags
 
 from launch import cli
+from models.config import ConfigError
 
 flags.DEFINE_string("model", None, "Model directory: HF (config.json + safetensors) or Orbax (params/).")
 flags.DEFINE_string("prompt", None, "Prompt text.")
@@ -57,12 +58,12 @@ def _prompt_ids(tok, cfg) -> list[int]:
         try:
             ids = [int(x) for x in FLAGS.prompt_ids]
         except ValueError:
-            raise ValueError(f"--prompt_ids must be comma-separated integers, got {','.join(FLAGS.prompt_ids)!r}")
+            raise ConfigError(f"--prompt_ids must be comma-separated integers, got {','.join(FLAGS.prompt_ids)!r}")
         if FLAGS.chat:
-            raise ValueError("--chat needs a text --prompt, not --prompt_ids")
+            raise ConfigError("--chat needs a text --prompt, not --prompt_ids")
         return ids
     if tok is None:
-        raise ValueError(f"--prompt is text but {FLAGS.model} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); "
+        raise ConfigError(f"--prompt is text but {FLAGS.model} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); "
                          "pass --tokenizer (e.g. qwen2.5) or --prompt_ids")
     if not FLAGS.chat:
         return tok.encode(FLAGS.prompt)
@@ -82,12 +83,12 @@ def generate() -> list[dict]:
     tok = _tokenizer(FLAGS.tokenizer, FLAGS.model)
     prompt = _prompt_ids(tok, cfg)
     if not prompt:
-        raise ValueError("the prompt encodes to no tokens")
+        raise ConfigError("the prompt encodes to no tokens")
     if FLAGS.stop and tok is None:
-        raise ValueError("--stop strings need a tokenizer")
+        raise ConfigError("--stop strings need a tokenizer")
     context = cfg.max_position_embeddings
     if len(prompt) + FLAGS.max_new_tokens > context:
-        raise ValueError(f"the prompt ({len(prompt)} tokens) plus --max_new_tokens={FLAGS.max_new_tokens} exceeds "
+        raise ConfigError(f"the prompt ({len(prompt)} tokens) plus --max_new_tokens={FLAGS.max_new_tokens} exceeds "
                          f"the model's context of {context} tokens"
                          + (f"; use --max_new_tokens<={context - len(prompt)}" if len(prompt) < context else ""))
     stops = [tok.encode(s) for s in FLAGS.stop]

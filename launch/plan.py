@@ -31,6 +31,7 @@ from absl import flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from launch import cli  # noqa: E402
+from models.config import ConfigError
 
 config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/sciworld.py:cope.", lock_config=True)
 flags.DEFINE_string("topology", None, "Target: a TPU slice (v5p-32, v5e-64, ...) or GPU host (8xH100, ...).")
@@ -60,7 +61,7 @@ def _model(c):
     if c.model.preset:
         return run_config.adapted(c, presets.preset_config(c.model.preset, **execution)), c.model.preset
     if c.model.init != "random":
-        raise ValueError("the config names no architecture: pass --model=PRESET or --config.model.path=DIR")
+        raise ConfigError("the config names no architecture: pass --model=PRESET or --config.model.path=DIR")
     vocab = int(c.tokenizer.split(":")[1]) if c.tokenizer.startswith("sentencepiece:") else None
     return run_config.random_model_config(c, vocab), "random init"
 
@@ -74,11 +75,12 @@ def _config_name() -> str:
 
 def main(argv):
     cli.start(argv)
-    from cope_jax.plan import measure, planner, report, targets
-    from models import ConfigError
+    from cope_jax.plan import planner, report, targets
+    from cope_jax.run import config_check
 
     c = FLAGS.config
     try:
+        config_check.check(c)
         target = targets.get_target(FLAGS.topology)
         mesh = planner.parse_mesh(FLAGS.mesh) if FLAGS.mesh else tuple(c.mesh)
         if mesh != "auto":
@@ -87,7 +89,7 @@ def main(argv):
         log = (lambda msg: None) if FLAGS.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
         result = planner.plan(c, _config_name(), target, model_cfg, model_name, mesh, cost=FLAGS.cost,
                               only=tuple(FLAGS.programs), sampler_rows=FLAGS.sampler_rows, log=log)
-    except (ConfigError, ValueError, measure.CompileError) as e:
+    except cli.refusals() as e:
         sys.exit(f"plan: error: {e}")
     if FLAGS.json:
         for record in report.json_records(result):

@@ -30,6 +30,7 @@ from models import model_dir, qwen
 from models import sharding as shd
 from models.config import QwenConfig
 from models.safetensors_io import DTYPE_NAMES, INDEX_FILE, SINGLE_FILE, CheckpointError, TensorSource
+from models.config import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,11 +230,11 @@ def parse_size(size: int | str) -> int:
     else:
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", size)
         if not m or m.group(2).upper() not in _SIZE_UNITS:
-            raise ValueError(f"cannot read size {size!r}; use e.g. 500MB, 5GB or 2GiB")
+            raise ConfigError(f"cannot read size {size!r}; use e.g. 500MB, 5GB or 2GiB")
         value, unit = float(m.group(1)), m.group(2).upper()
     n = int(value * _SIZE_UNITS[unit])
     if n <= 0:
-        raise ValueError(f"size {size!r} must be positive")
+        raise ConfigError(f"size {size!r} must be positive")
     return n
 
 
@@ -295,7 +296,7 @@ def save_hf(model: qwen.Qwen, directory: str, *, dtype=None, max_shard_size: int
     cfg = model.cfg
     dtype = jnp.dtype(dtype or qwen.stored_dtype(cfg))
     if dtype not in DTYPE_NAMES:
-        raise ValueError(f"cannot store weights as {dtype} in safetensors")
+        raise ConfigError(f"cannot store weights as {dtype} in safetensors")
     shards = plan_shards(export_tensors(model, dtype), parse_size(max_shard_size))
     n = len(shards)
     names = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]

@@ -50,13 +50,17 @@ def kind(path: str) -> str:
                           f"Orbax one ({ORBAX_PARAMS_DIR}/ holding an Orbax checkpoint)")
 
 
+class DestinationError(FileExistsError):
+    """A conversion's destination holds something it would overwrite."""
+
+
 def check_destination(dst: str, overwrite: bool) -> None:
     """Refuses a destination that is a file, or a non-empty directory unless `overwrite`."""
     if os.path.isdir(dst):
         if os.listdir(dst) and not overwrite:
-            raise FileExistsError(f"{dst}: destination exists and is not empty (pass --overwrite to replace it)")
+            raise DestinationError(f"{dst}: destination exists and is not empty (pass --overwrite to replace it)")
     elif os.path.lexists(dst):
-        raise FileExistsError(f"{dst}: destination exists and is not a directory")
+        raise DestinationError(f"{dst}: destination exists and is not a directory")
 
 
 @contextlib.contextmanager

@@ -14,7 +14,12 @@ slices straight into place and casts to the requested dtype on the way.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import sys
+import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
@@ -89,7 +94,7 @@ def load_params(directory: str, cfg: QwenConfig, mesh=None) -> qwen.Qwen:
 
     abstract = jax.tree_util.tree_map_with_path(target, tree)
     try:
-        with ocp.StandardCheckpointer() as checkpointer:
+        with without_closed_loop_noise(), ocp.StandardCheckpointer() as checkpointer:
             restored = checkpointer.restore(params_dir(directory), abstract)
     except Exception as e:  # TensorStore's errors are plain Exceptions
         raise CheckpointError(f"{directory}: the Orbax params are unreadable: {error_line(e)}") from e
@@ -145,3 +150,33 @@ def save_orbax(model: qwen.Qwen, directory: str, *, dtype=None, carry_from: str 
                 hf_io.write_json(os.path.join(tmp, model_dir.GENERATION_CONFIG_FILE),
                                  hf_io.minimal_generation_config(cfg))
         return sorted(os.listdir(tmp))
+
+
+_DRAIN_SECONDS = 1.0
+
+
+@contextlib.contextmanager
+def without_closed_loop_noise():
+    """Standard error of a restore, less TensorStore's 'Event loop is closed' tracebacks: when a
+    read fails, Orbax closes its asyncio loop while other reads are in flight, and each of those
+    prints one from TensorStore's own threads (not through Python's hooks, so fd 2 is held)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except Exception:
+            time.sleep(_DRAIN_SECONDS)  # the failed restore's other reads finish into `held`
+            raise
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            text = held.read().decode("utf-8", "replace")
+            kept = re.sub(r"Traceback \(most recent call last\):\n(?:[ \t].*\n)*RuntimeError: Event loop is closed\n",
+                          "", text)
+            if kept:
+                sys.stderr.write(kept)
+                sys.stderr.flush()

@@ -18,7 +18,7 @@ import ml_collections
 
 from cope_jax.plan import checks, measure, programs, targets
 from cope_jax.run import run_config
-from models.config import QwenConfig
+from models.config import ConfigError, QwenConfig
 
 
 @dataclasses.dataclass
@@ -47,9 +47,9 @@ def parse_mesh(text: str) -> tuple[int, ...] | str:
     try:
         shape = tuple(int(v) for v in text.strip("()").split(","))
     except ValueError:
-        raise ValueError(f"--mesh={text!r}: expected 'auto' or three integers data,fsdp,tp") from None
+        raise ConfigError(f"--mesh={text!r}: expected 'auto' or three integers data,fsdp,tp") from None
     if len(shape) != 3 or any(v == 0 or v < -1 for v in shape):
-        raise ValueError(f"--mesh={text!r}: expected three positive sizes data,fsdp,tp (one may be -1)")
+        raise ConfigError(f"--mesh={text!r}: expected three positive sizes data,fsdp,tp (one may be -1)")
     return shape
 
 
@@ -58,13 +58,13 @@ def resolve_mesh(shape: tuple[int, ...], target: targets.Target) -> tuple[int, i
     shape = list(shape)
     known = _size(v for v in shape if v != -1)
     if shape.count(-1) > 1:
-        raise ValueError(f"mesh {tuple(shape)}: at most one -1")
+        raise ConfigError(f"mesh {tuple(shape)}: at most one -1")
     if -1 in shape:
         if target.chips % known:
-            raise ValueError(f"mesh {tuple(shape)} does not divide the {target.chips} chips of {target.name}")
+            raise ConfigError(f"mesh {tuple(shape)} does not divide the {target.chips} chips of {target.name}")
         shape[shape.index(-1)] = target.chips // known
     if _size(shape) != target.chips:
-        raise ValueError(f"mesh {tuple(shape)} has {_size(shape)} devices but {target.name} has {target.chips} chips")
+        raise ConfigError(f"mesh {tuple(shape)} has {_size(shape)} devices but {target.name} has {target.chips} chips")
     return tuple(shape)
 
 
@@ -95,7 +95,7 @@ def plan(c: ml_collections.ConfigDict, config_name: str, target: targets.Target,
     layout, progs = programs.run_programs(c, model_cfg, devices, mesh, hosts)
     unknown = sorted(set(only) - {p.name for p in progs})
     if unknown:
-        raise ValueError(f"--programs: no program {', '.join(unknown)}; this run has {', '.join(p.name for p in progs)}")
+        raise ConfigError(f"--programs: no program {', '.join(unknown)}; this run has {', '.join(p.name for p in progs)}")
     progs = [p for p in progs if not only or p.name in only]
     results = []
     for p in progs:

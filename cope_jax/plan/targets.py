@@ -20,6 +20,7 @@ import dataclasses
 import os
 import sys
 import tempfile
+from models.config import ConfigError
 
 GIB = 1 << 30
 _SPECS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_specs")
@@ -125,7 +126,7 @@ TARGETS: dict[str, Target] = {t.name: t for t in [
 
 def get_target(name: str) -> Target:
     if name not in TARGETS:
-        raise ValueError(f"unknown topology {name!r}; expected one of {', '.join(TARGETS)}")
+        raise ConfigError(f"unknown topology {name!r}; expected one of {', '.join(TARGETS)}")
     return TARGETS[name]
 
 
@@ -166,7 +167,7 @@ def _load_gpu_compiler() -> None:
     if "cuda" in xla_bridge._backend_factories:  # a CUDA environment: JAX found the plugin itself
         return
     if not os.path.isfile(GPU_COMPILER):
-        raise ValueError(f"GPU targets need the CUDA compiler plugin at {GPU_COMPILER}: pip install --no-deps "
+        raise ConfigError(f"GPU targets need the CUDA compiler plugin at {GPU_COMPILER}: pip install --no-deps "
                          f"--target {os.path.join(sys.prefix, 'gpu-compiler')} -r requirements-gpu-compiler.txt")
     xla_bridge.register_plugin("cuda", priority=500, library_path=GPU_COMPILER,
                                options=xla_client.generate_pjrt_gpu_plugin_options())

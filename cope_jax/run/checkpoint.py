@@ -22,6 +22,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from models import orbax_io
 from models.orbax_io import error_line
 from models.safetensors_io import CheckpointError
 
@@ -114,7 +115,8 @@ class TrainCheckpointer:
         restored = {}
         for name, args in items.items():  # one item at a time: the error names the damaged one
             try:
-                restored[name] = self._manager.restore(step, args=ocp.args.Composite(**{name: args}))[name]
+                with orbax_io.without_closed_loop_noise():
+                    restored[name] = self._manager.restore(step, args=ocp.args.Composite(**{name: args}))[name]
             except Exception as e:  # Orbax, TensorStore and JSON each raise their own types
                 raise CheckpointError(f"checkpoint step {step} ({self.step_dir(step)}) is unreadable: "
                                       f"{name}/: {error_line(e)}") from e

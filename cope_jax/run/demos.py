@@ -28,6 +28,7 @@ from typing import Sequence
 from cope_jax.rollout.episode import scripted_trajectory
 from cope_jax.rollout.runner import RolloutRunner
 from cope_jax.rollout.trajectory import Trajectory
+from models.config import ConfigError
 
 
 def _broken(action: str) -> str:
@@ -45,11 +46,11 @@ def expert_trajectories(runner: RolloutRunner, task_ids: Sequence[int], *, max_r
     family, pool = runner.family, runner.pool
     reply_format = reply_format or family.reply_format
     if not hasattr(family, "expert_actions"):
-        raise ValueError(f"environment family {runner.family_name!r} has no expert_actions(); "
+        raise ConfigError(f"environment family {runner.family_name!r} has no expert_actions(); "
                          "the warm start needs demonstrations")
     idle = family.idle_action
     if dawdle and not idle:
-        raise ValueError(f"warmstart.dawdle={dawdle}: environment family {runner.family_name!r} has no "
+        raise ConfigError(f"warmstart.dawdle={dawdle}: environment family {runner.family_name!r} has no "
                          "idle_action to dawdle with")
     rng = random.Random(seed)
     plans, broken = {}, {}

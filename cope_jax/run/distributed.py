@@ -29,6 +29,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import models
+from models.config import ConfigError
 
 HOSTS_AXIS = "hosts"  # the axis of a group of devices with one device per process
 
@@ -41,7 +42,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     JAX_COORDINATOR_ADDRESS; CPU processes exchange collectives over gloo (JAX's default).
     """
     if (num_processes is None) != (process_id is None):
-        raise ValueError("give both num_processes and process_id, or neither (auto-detection)")
+        raise ConfigError("give both num_processes and process_id, or neither (auto-detection)")
     jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
                                process_id=process_id, initialization_timeout=timeout_s)
 
@@ -54,17 +55,17 @@ def run_mesh(shape: Sequence[int], devices: Sequence[jax.Device] | None = None) 
     n, hosts = len(devices), len({d.process_index for d in devices})
     shape = list(shape)
     if shape.count(-1) > 1:
-        raise ValueError(f"config.mesh {tuple(shape)}: at most one -1")
+        raise ConfigError(f"config.mesh {tuple(shape)}: at most one -1")
     if -1 in shape:
         rest = int(np.prod([s for s in shape if s != -1]))
         if n % rest:
-            raise ValueError(f"config.mesh {tuple(shape)} does not divide {n} devices")
+            raise ConfigError(f"config.mesh {tuple(shape)} does not divide {n} devices")
         shape[shape.index(-1)] = n // rest
     size = int(np.prod(shape))
     if size > n:
-        raise ValueError(f"config.mesh {tuple(shape)} needs {size} devices, have {n}")
+        raise ConfigError(f"config.mesh {tuple(shape)} needs {size} devices, have {n}")
     if hosts > 1 and size != n:
-        raise ValueError(f"config.mesh {tuple(shape)} uses {size} of the {n} devices of "
+        raise ConfigError(f"config.mesh {tuple(shape)} uses {size} of the {n} devices of "
                          f"{hosts} hosts: a multi-host mesh must use them all")
     if size == 1:
         return None

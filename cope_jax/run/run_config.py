@@ -44,12 +44,6 @@ def optimizer_config(c: ml_collections.ConfigDict) -> OptimizerConfig:
                            clip_norm=t.clip_norm, warmup_steps=t.lr_warmup_steps)
 
 
-def check_warmstart(c: ml_collections.ConfigDict) -> None:
-    if c.warmstart.lr_schedule not in WARMSTART_SCHEDULES:
-        raise ConfigError(f"warmstart.lr_schedule={c.warmstart.lr_schedule!r}: expected one of "
-                          f"{WARMSTART_SCHEDULES}")
-
-
 def warmstart_configs(c: ml_collections.ConfigDict) -> tuple[LossConfig, OptimizerConfig]:
     """The supervised warm start's loss (method 'warmstart') and optimizer: forecasting examples,
     when `warmstart.af_examples` asks for them, weigh like the demonstrations' actions."""
@@ -176,11 +170,9 @@ def check_lengths(c: ml_collections.ConfigDict) -> None:
 
 
 def max_fault_fraction(c: ml_collections.ConfigDict) -> float:
-    """`rollout.max_fault_fraction`, checked: a fraction of a batch's episodes (cope_jax/run/faults.py)."""
-    value = float(c.rollout.max_fault_fraction)
-    if not 0 <= value <= 1:
-        raise ConfigError(f"rollout.max_fault_fraction={value:g}: expected a fraction in [0, 1]")
-    return value
+    """`rollout.max_fault_fraction`: a fraction of a batch's episodes (cope_jax/run/faults.py; its
+    range is checked with every other field's, `cope_jax/run/config_check.py`)."""
+    return float(c.rollout.max_fault_fraction)
 
 
 def batch_width(mesh) -> int:

@@ -32,7 +32,7 @@ from models.safetensors_io import CheckpointError
 from cope_jax.run import distributed
 from cope_jax.run import faults as faults_lib
 from cope_jax.run import metrics as metrics_lib
-from cope_jax.run.build import Components
+from cope_jax.run.build import CHECKPOINT_DIR, Components
 from cope_jax.run.checkpoint import TrainCheckpointer
 from cope_jax.learning.forecasting import build_examples
 from cope_jax.learning.methods import needing
@@ -41,7 +41,6 @@ from cope_jax.stages.evaluate import evaluate, evaluate_once
 from cope_jax.stages.loop import learn, rollout, runner, step_loop
 from cope_jax.learning.train_step import Learner
 
-CHECKPOINT_DIR = "checkpoints"
 RESUME_MODES = ("latest", "latest_valid")  # train(resume=...): see resume_from
 
 

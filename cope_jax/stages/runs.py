@@ -8,6 +8,10 @@ from typing import Any
 from cope_jax.run import metrics as metrics_lib
 
 
+class RunDirectoryError(FileNotFoundError):
+    """The workdir lacks what the command needs (its config.json, a checkpoint, the warm start)."""
+
+
 def train_run(config, workdir: str, *, progress: bool = True, resume: str = "latest") -> dict[str, Any]:
     """Warm start (once per workdir), the starting policy's evaluation (once), then the RL stage
     (resumed from the newest checkpoint; `resume`: `cope_jax/stages/rl.py: resume_from`). Returns the
@@ -54,17 +58,17 @@ def eval_run(config, workdir: str, *, checkpoint: int | None = None, split: str 
     from cope_jax.stages.warmstart import WARMSTART_DIR, warmstart
 
     if not os.path.isfile(os.path.join(workdir, "config.json")):
-        raise FileNotFoundError(f"{workdir} is not a run directory (no config.json); run launch.train first")
+        raise RunDirectoryError(f"{workdir} is not a run directory (no config.json); run launch.train first")
     ckpt_dir = os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
     latest = TrainCheckpointer.steps_in(ckpt_dir)
     step = checkpoint if checkpoint is not None else (latest[-1] if latest else None)
     if step is None:
-        raise FileNotFoundError(f"{workdir} has no checkpoint yet; pass --checkpoint=0 to evaluate the policy "
+        raise RunDirectoryError(f"{workdir} has no checkpoint yet; pass --checkpoint=0 to evaluate the policy "
                                 "RL starts from")
     if step and step not in latest:
-        raise FileNotFoundError(f"{workdir} has no checkpoint {step} (it has {latest or 'none'})")
+        raise RunDirectoryError(f"{workdir} has no checkpoint {step} (it has {latest or 'none'})")
     if not step and config.warmstart.steps > 0 and not os.path.isdir(os.path.join(workdir, WARMSTART_DIR)):
-        raise FileNotFoundError(f"{workdir} has no finished warm start ({WARMSTART_DIR}/), so no starting policy "
+        raise RunDirectoryError(f"{workdir} has no finished warm start ({WARMSTART_DIR}/), so no starting policy "
                                 "to evaluate; run launch.train first")
     logged = metrics_lib.latest_records(metrics_lib.read_log(workdir), "eval")
     # process 0's log decides, as for training's evaluations: every process takes the same path

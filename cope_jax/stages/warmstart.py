@@ -13,7 +13,7 @@ from flax import nnx
 import models
 from models import orbax_io
 from cope_jax.run import distributed, run_config
-from cope_jax.run.build import Components
+from cope_jax.run.build import WARMSTART_DIR, Components
 from cope_jax.run.demos import expert_trajectories
 from cope_jax.learning.forecasting import build_examples
 from cope_jax.learning.methods import get_method
@@ -21,7 +21,6 @@ from cope_jax.run.progress import Bar
 from cope_jax.stages.loop import learn, runner, step_loop
 from cope_jax.learning.train_step import Learner
 
-WARMSTART_DIR = "warmstart"
 
 
 def warmstart(parts: Components, progress: bool = False) -> dict[str, Any] | None:

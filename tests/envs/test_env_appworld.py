@@ -97,3 +97,60 @@ def test_actions_are_multiline_code_blocks():
     assert fam.parse_action("```python\nprint(1)") is None  # an unterminated block
     assert fam.success(1.0, True, {"all_passed": True})
     assert not fam.success(0.5, True, {"all_passed": False})
+
+
+_REPL = '''
+"""A stand-in for the appworld package: AppWorld's REPL runs the policy's code in the worker's own
+interpreter, and so does this one (the package pins pydantic 1 and is not installed here)."""
+import contextlib, io, types
+
+
+def update_root(root):
+    pass
+
+
+class AppWorld:
+    def __init__(self, task_id, experiment_name):
+        supervisor = types.SimpleNamespace(first_name="Ada", last_name="L", email="a@x", phone_number="1")
+        self.task = types.SimpleNamespace(supervisor=supervisor, instruction="print things")
+
+    def execute(self, code):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(code, {})
+        return out.getvalue()
+
+    def task_completed(self):
+        return False
+
+    def close(self):
+        pass
+'''
+
+
+def test_the_policys_code_cannot_read_the_trainers_secrets(small_root, tmp_path, monkeypatch):
+    """An AppWorld action runs in a worker that started with an allow-listed environment, in a
+    directory of its own: a credential of the trainer's environment is not there to read."""
+    stub = tmp_path / "stub"
+    (stub / "appworld").mkdir(parents=True)
+    (stub / "appworld" / "__init__.py").write_text(_REPL)
+    for task in SMALL["train"]:
+        (small_root / "data" / "tasks" / task / "specs.json").write_text("{}")
+    (small_root / "data" / "base_dbs").mkdir()
+    monkeypatch.setenv("PYTHONPATH", str(stub))
+    monkeypatch.setenv("COPE_TEST_SECRET_KEY", "sk-do-not-leak")
+    monkeypatch.setenv("APPWORLD_ROOT", str(small_root))  # a family's own variable does reach it
+    code = ("import os\nprint(repr(os.environ.get('COPE_TEST_SECRET_KEY')))\n"
+            "print(os.environ.get('APPWORLD_ROOT'))\nprint(os.getcwd())\nprint(sorted(os.listdir('.')))")
+    with EnvPool({"appworld": 1}, family_kwargs={"appworld": {"check_sizes": False}},
+                 python={"appworld": sys.executable}) as pool:
+        pool.submit_reset("a", "appworld", 0, max_rounds=30)
+        (r,) = pool.wait_all(timeout=60)
+        assert r.ok, r.reason
+        pool.submit_step("a", code)
+        (r,) = pool.wait_all(timeout=60)
+        assert r.ok, r.reason
+    secret, root, cwd, listing = r.observation.split("```")[1].strip().splitlines()
+    assert secret == "None" and "sk-do-not-leak" not in r.observation
+    assert root == str(small_root)
+    assert cwd != str(tmp_path) and cwd != str(sys.path[0]) and listing == "[]"

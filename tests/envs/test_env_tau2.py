@@ -208,3 +208,96 @@ def test_native_chat_layout_renders_policy_tools_and_tool_responses(env):
     assert system.count('{"type": "function"') == len(env.tools(tid)) == 15
     assert "<|im_start|>assistant" not in text.split(first)[0]  # no acknowledgement turn
     assert f"<|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>" in text
+
+
+CLOSINGS = ("Thank you.", "Is there anything else")  # how `gold_replies` ends
+
+
+class _Customer(BaseHTTPRequestHandler):
+    """A loopback OpenAI chat-completions server playing a customer over several turns: it asks for
+    help, agrees while the agent works, and stops after the agent's closing message (`CLOSINGS`).
+    `delay`: seconds before each answer."""
+    requests: list = []
+    delay = 0.0
+
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).requests.append(body)
+        time.sleep(type(self).delay)
+        # the customer's own turns are 'assistant' messages in its chat, the agent's are 'user'
+        agent = [m for m in body["messages"] if m["role"] == "user"]
+        if not any(m["role"] == "assistant" for m in body["messages"]):
+            content = "Hi, I need help with my account."
+        elif agent and str(agent[-1].get("content", "")).startswith(CLOSINGS):
+            content = "###STOP###"
+        else:
+            content = "Yes, please go ahead."
+        data = json.dumps({"choices": [{"message": {"role": "assistant", "content": content}}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def customer():
+    server = HTTPServer(("127.0.0.1", 0), _Customer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    _Customer.requests, _Customer.delay = [], 0.0
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    server.shutdown()
+
+
+def _configured_pool(url, **env):
+    """The pool a tau2 run starts, from `configs/tau2.py` with the customer's endpoint set."""
+    from configs import tau2
+    from cope_jax.run import build
+
+    c = tau2.get_config("cope")
+    c.env.update(workers=1, **env)
+    c.env.user.update(base_url=url, model="customer-sim")
+    return build._pool(c, 1, build._user(c))
+
+
+def test_an_llm_customer_over_http_talks_several_turns_and_tau2_grades_the_episode(customer):
+    fam = Tau2Env()
+    tid = _test_ids("retail", 1)[0]
+    # a question first (the customer answers it), then the gold actions and the closing message
+    replies = ["Before I start: could you confirm what you need?"] + gold_replies(fam.load_task(tid))
+    with _configured_pool(customer) as pool:
+        pool.submit_reset(0, "tau2", tid, max_rounds=50)
+        (r,) = pool.wait_all(timeout=120)
+        assert r.ok and r.info["role"] == "user" and r.observation == "Hi, I need help with my account."
+        while not r.done:
+            pool.submit_step(0, fam.parse_action(replies.pop(0)))
+            (r,) = pool.wait_all(timeout=120)
+            assert r.ok, r.reason
+    customer_turns = len(_Customer.requests)
+    assert customer_turns >= 3 and r.info["termination"] == "user_stop"
+    assert r.success and r.score == 1.0  # tau2's evaluator: the gold actions' database, info communicated
+    first = _Customer.requests[0]
+    assert first["model"] == "customer-sim" and first["temperature"] == 0.7  # the paper's customer
+
+
+def test_a_slow_customer_fails_its_episode_not_the_worker(customer):
+    """The customer's calls share 80% of the step's deadline: a customer slower than that ends the
+    episode as an environment error before the pool would kill the worker as hung."""
+    tid = _test_ids("airline", 1)[0]
+    with _configured_pool(customer, call_timeout=2.5) as pool:
+        def reset(episode):
+            pool.submit_reset(episode, "tau2", tid, max_rounds=50)
+            (r,) = pool.wait_all(timeout=60)
+            pool.release(episode)
+            return r
+
+        assert reset(0).ok  # tau2's imports happened at the worker's start (Tau2Env.warm_up)
+        pid = pool.worker_pids("tau2")
+        _Customer.delay = 3.0
+        r = reset(1)
+        assert not r.ok and r.error == "env_error" and "timed out" in r.reason, r.reason
+        _Customer.delay = 0.0
+        assert reset(2).ok and pool.worker_pids("tau2") == pid  # the same worker answered

@@ -42,6 +42,20 @@ def _binary(module, *args, cwd):
      "train.lora.rank=0: expected a whole number >= 1 (unset: full fine-tuning)"),
     (["--config=CONFIGS/demo.py", "--workdir=run", "--config.train.lora.rank=8",
       "--config.train.lora.targets=('q_proj','attn')"], "train.lora.targets=('q_proj', 'attn'): unknown projection"),
+    # every config value against its declared range or set, and fields by name
+    (["--config=CONFIGS/demo.py", "--workdir=run", "--config.trian.steps=3"],
+     "train: error: --config.trian.steps=3: no field 'trian' (did you mean 'train'?)"),
+    (["--config=CONFIGS/demo.py", "--workdir=run", "--config.train.stepz=3"], "no field 'stepz' (did you mean 'steps'?)"),
+    (["--config=CONFIGS/demo.py", "--workdir=run", "--config.env.workers=0"],
+     "config.env.workers=0: expected a whole number >= 1"),
+    (["--config=CONFIGS/demo.py", "--workdir=run", "--config.rollout.group_size=0"],
+     "config.rollout.group_size=0: expected a whole number >= 1"),
+    (["--config=CONFIGS/demo.py", "--workdir=run", "--config.train.steps=-1"],
+     "config.train.steps=-1: expected a whole number >= 0"),
+    (["--config=CONFIGS/demo.py", "--workdir=run", "--config.rollout.top_p=1.5"],
+     "config.rollout.top_p=1.5: expected a number in [0, 1]"),
+    (["--config=CONFIGS/demo.py", "--workdir=run", "--config.model.remat=some"], "config.model.remat='some': expected one of"),
+    (["--config=CONFIGS/demo.py", "--workdir=run", "--config.env.eval_split=dev"], "env.eval_split='dev': unknown split"),
 ])
 def test_train_refuses_in_one_line_and_writes_nothing(tmp_path, args, message):
     args = [a.replace("CONFIGS", os.path.join(REPO, "configs")).replace("REPO", REPO) for a in args]
@@ -54,6 +68,7 @@ def test_train_refuses_in_one_line_and_writes_nothing(tmp_path, args, message):
 def test_sentencepiece_on_a_family_without_an_expert_is_refused_before_the_environment_starts(tmp_path):
     c = tiny_config("grpo")
     c.env.family = "tau2"
+    c.env.user.kind = "gold"
     with pytest.raises(ConfigError, match="tau2 has no expert"):
         build(c, str(tmp_path / "run"))
     assert not os.path.exists(tmp_path / "run")
@@ -142,6 +157,48 @@ def test_a_run_refuses_another_config_but_not_fields_added_since(tmp_path):
     del saved["rollout"]["max_fault_fraction"]  # as written before the field existed
     json.dump(saved, open(path, "w"))
     build(c, workdir).close()
+    os.makedirs(os.path.join(workdir, "checkpoints", "1"))  # a result: the workdir is this config's
     c.train.learning_rate = 0.5
     with pytest.raises(ConfigError, match=r"holds a run with a different config \(train.learning_rate\)"):
         build(c, workdir)
+
+
+def test_another_config_supersedes_a_failed_start_without_results(tmp_path):
+    """A start that failed after config.json was written (no checkpoint, no warm start) does not bind
+    the workdir: the corrected config starts there, and the failed start's files are kept aside."""
+    import json
+
+    workdir = str(tmp_path / "run")
+    c = tiny_config("grpo")
+    build(c, workdir).close()
+    with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+        f.write('{"kind": "warmstart", "step": 1}\n')  # what the failed start got to log
+    c.train.learning_rate = 0.5
+    build(c, workdir).close()
+    assert json.load(open(os.path.join(workdir, "config.json")))["train"]["learning_rate"] == 0.5
+    aside = os.path.join(workdir, "superseded", "1")
+    assert json.load(open(os.path.join(aside, "config.json")))["train"]["learning_rate"] == 1e-3
+    assert os.path.isfile(os.path.join(aside, "metrics.jsonl"))
+    assert not os.path.exists(os.path.join(workdir, "metrics.jsonl"))  # the new run's log starts empty
+
+
+def test_a_bug_inside_the_train_step_keeps_its_traceback(tmp_path):
+    """Only refusals are one line: a ValueError from inside the step (here standing in for one from
+    numpy or JAX) is a bug, printed with its traceback and location."""
+    code = (
+        "import sys\n"
+        f"sys.argv = ['train', '--config={REPO}/configs/demo.py', '--workdir=run', '--config.warmstart.steps=0',\n"
+        "            '--config.train.steps=1', '--config.eval.every=0', '--config.env.workers=1',\n"
+        "            '--config.rollout.tasks_per_step=2', '--config.rollout.group_size=2',\n"
+        "            '--config.rollout.sampler_rows=4', '--config.train.minibatch_tasks=1']\n"
+        "from cope_jax.stages import rl\n"
+        "def learn(*args, **kwargs):\n"
+        "    raise ValueError('operands could not be broadcast together with shapes (3,) (4,)')\n"
+        "rl.learn = learn\n"
+        "from launch import cli, train\n"
+        "cli.run(train.main)\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=REPO)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode != 0 and "Traceback (most recent call last)" in proc.stderr, proc.stderr[-2000:]
+    assert "in learn" in proc.stderr and "train: error:" not in proc.stderr

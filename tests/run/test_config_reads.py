@@ -36,8 +36,13 @@ def test_a_tiny_run_reads_every_field(tmp_path):
     # a pretrained model's path is read only when the model is not random: the start refuses an
     # empty one, reading it
     pretrained = tiny_config("cope", steps=1)
-    pretrained.model.update(init="hf", path="")
+    pretrained.model.update(init="pretrained", path="")
     with recording(pretrained) as read_too, pytest.raises(ConfigError, match="config.model.path is empty"):
         train_run(pretrained, str(tmp_path / "pretrained"), progress=False)
-    assert names(c) - read - read_too == set()
+    # tau2's customer (env.user) is read where its spec is built: a start without its endpoint
+    customer = tiny_config("cope", steps=1)
+    customer.env.family, customer.env.user.kind = "tau2", "llm"
+    with recording(customer) as read_three, pytest.raises(ConfigError, match="env.user: tau2's customer is an LLM"):
+        train_run(customer, str(tmp_path / "customer"), progress=False)
+    assert names(c) - read - read_too - read_three == set()
     assert len(read) > 60  # the recorder sees the run's reads (not an empty set compared with itself)
