@@ -13,9 +13,10 @@ A tau2 episode always runs a simulated customer next to the agent. Which one is 
 
 A user turn is either text ({"content": "..."}; ###STOP### / ###TRANSFER### ends the episode) or
 tool calls on the user's side ({"tool_calls": [{"name": ..., "arguments": {...}}]}, telecom's
-device actions). The `llm` kind also serves our own sampler: the rollout loop exposes it as an
-OpenAI-compatible endpoint and passes that URL (the worker never imports the model). Anything that
-implements `ChatBackend.complete` can be plugged in from Python with `make_user(..., backend=...)`.
+device actions). A run configures it in `env.user` (configs/base.py); the `llm` kind's calls of
+one environment step share a budget inside the pool's call deadline (`time_left`), so a slow
+endpoint fails that episode, not the worker. Anything that implements `ChatBackend.complete` can
+be plugged in from Python with `make_user(..., backend=...)`.
 
 tau2 (and its pydantic models) is imported lazily, inside the worker that runs the family.
 """
