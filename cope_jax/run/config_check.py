@@ -50,7 +50,7 @@ class OneOf:
     choices: tuple
 
     def problem(self, value: Any) -> str | None:
-        return None if value in self.choices else f"expected one of {', '.join(map(str, self.choices))}"
+        return None if value in self.choices else f"expected one of {', '.join(map(repr, self.choices))}"
 
 
 FAMILIES_WITH_A_CUSTOMER = {"tau2": "'llm' (the paper's) or 'gold' (scripted, for tests)"}

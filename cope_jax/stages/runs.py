@@ -50,13 +50,14 @@ def eval_run(config, workdir: str, *, checkpoint: int | None = None, split: str 
     import jax
     from flax import nnx
 
-    from cope_jax.run import distributed
+    from cope_jax.run import config_check, distributed
     from cope_jax.run.build import build
     from cope_jax.run.checkpoint import TrainCheckpointer
     from cope_jax.stages.evaluate import evaluate
     from cope_jax.stages.rl import CHECKPOINT_DIR, trained_params
     from cope_jax.stages.warmstart import WARMSTART_DIR, warmstart
 
+    config_check.check(config)  # before the workdir is read: a logged result may answer without `build`
     if not os.path.isfile(os.path.join(workdir, "config.json")):
         raise RunDirectoryError(f"{workdir} is not a run directory (no config.json); run launch.train first")
     ckpt_dir = os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)

@@ -202,3 +202,12 @@ def test_a_bug_inside_the_train_step_keeps_its_traceback(tmp_path):
                           text=True, timeout=600)
     assert proc.returncode != 0 and "Traceback (most recent call last)" in proc.stderr, proc.stderr[-2000:]
     assert "in learn" in proc.stderr and "train: error:" not in proc.stderr
+
+
+def test_eval_checks_the_config_before_it_reads_the_run(tmp_path):
+    """An evaluation whose result training logged answers without starting the run: its config is
+    checked all the same."""
+    c = tiny_config("grpo")
+    c.eval.samples = 0
+    with pytest.raises(ConfigError, match="config.eval.samples=0: expected a whole number >= 1"):
+        eval_run(c, str(tmp_path / "nothing"))

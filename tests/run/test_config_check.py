@@ -26,7 +26,7 @@ def test_every_rule_names_a_field_of_the_base_config():
     (lambda c: c.__setitem__("evl", {"every": 2}), r"config.evl.every: no such field \(did you mean config.eval.every\?\)"),
     (lambda c: c.rollout.__setitem__("group_size", 0), r"config.rollout.group_size=0: expected a whole number >= 1"),
     (lambda c: c.rollout.__setitem__("max_fault_fraction", 1.5), r"max_fault_fraction=1.5: expected a fraction in \[0, 1\]"),
-    (lambda c: c.warmstart.__setitem__("lr_schedule", "linear"), r"lr_schedule='linear': expected one of constant, cosine"),
+    (lambda c: c.warmstart.__setitem__("lr_schedule", "linear"), r"lr_schedule='linear': expected one of 'constant', 'cosine'"),
     (lambda c: c.env.__setitem__("family", "scienceworld"), r"config.env.family='scienceworld': expected one of"),
     (lambda c: c.train.__setitem__("agg_mode", "token-sum"), r"token-sum"),
 ])
