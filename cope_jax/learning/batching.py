@@ -94,7 +94,7 @@ def pack_minibatch(segments: Sequence[Segment], terms: Sequence[str], row_len: i
 
     The first `num_sequences` segments (default: all) are the trajectory rows, packed into their own
     leading micro-batches: only they need the old / reference log-probs, so those forward passes
-    run on the leading micro-batches alone (`Learner.fill_logprobs`)."""
+    skip the micro-batches after them (`Learner.fill_logprobs`)."""
     n = len(segments) if num_sequences is None else num_sequences
     kinds = [[s for s in segments if s.seq_index < n], [s for s in segments if s.seq_index >= n]]
     packed, stats = concat_rows([pack(k, row_len, terms=terms, rows_multiple=rows_per_micro) for k in kinds if k])

@@ -150,7 +150,7 @@ def loss_and_grads(model, batch: PackedBatch, cfg: LossConfig, coefs: dict | Non
     def body(carry, mb):
         # micro-batches without a token of these terms cost nothing: padding (a mini-batch padded
         # to a compiled size), or the other terms' rows when one term's gradient is asked alone
-        carries = functools.reduce(jnp.logical_or, [jnp.any(mb.weights[t] != 0) for t in coefs])
+        carries = _carries_weights(mb.replace(weights={t: mb.weights[t] for t in coefs}))
         return jax.lax.cond(carries, accumulate, lambda c, _: c, carry, mb), None
 
     like_params = functools.partial(_like_params, mesh=mesh)
@@ -229,18 +229,6 @@ def abstract_train_state(model_cfg: qwen.QwenConfig, opt_cfg: OptimizerConfig, m
     return graphdef, jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
 
 
-def _micro_with_tokens_of(batch: PackedBatch, terms) -> int:
-    """Leading micro-batches of a host batch [micro, rows, L] that hold every token of `terms`,
-    rounded up to a power of two (at most all of them). Placed or 2-D batches: all."""
-    weights = [batch.weights[t] for t in terms]
-    if any(isinstance(w, jax.Array) or np.ndim(w) != 3 for w in weights):
-        return batch.num_micro
-    used = np.flatnonzero(np.any([np.asarray(w).reshape(w.shape[0], -1).any(axis=1) for w in weights], axis=0))
-    if not len(used):
-        return 1  # nothing reads them
-    return min(batch.num_micro, 1 << int(used[-1]).bit_length())
-
-
 def _train_step(graphdef, state, batch, coefs, frozen=None, *, cfg, on_policy, mesh):
     model, optimizer = nnx.merge(graphdef, state) if frozen is None else nnx.merge(graphdef, frozen, state)
     _, grads, sums = loss_and_grads(model, batch, cfg, coefs, on_policy=on_policy, mesh=mesh)
@@ -268,9 +256,21 @@ def _term_grad_norms(model, batch, cfg, coefs, grads, *, on_policy, mesh) -> dic
     return norms
 
 
+def _carries_weights(mb: PackedBatch) -> jax.Array:
+    """Whether a micro-batch holds a token any of its terms weighs (padding micro-batches and the
+    rows of other terms do not: the step and the forward passes skip them)."""
+    return functools.reduce(jnp.logical_or, [jnp.any(w != 0) for w in mb.weights.values()])
+
+
 def _logprobs(graphdef, params, batch, *, cfg, mesh):
     model = nnx.merge(graphdef, params)
-    return loops.map("micro", lambda mb: model_logprobs(model, mb, cfg, with_entropy=False, mesh=mesh)[0], batch)
+
+    def one(mb):
+        return jax.lax.cond(_carries_weights(mb),
+                            lambda mb: model_logprobs(model, mb, cfg, with_entropy=False, mesh=mesh)[0],
+                            lambda mb: jnp.zeros(mb.tokens.shape, jnp.float32), mb)
+
+    return loops.map("micro", one, batch)
 
 
 # Compiled functions are cached on their static inputs, so Learners of the same model, method and
@@ -364,7 +364,8 @@ class Learner:
         return batch.replace(weights={t: batch.weights[t] for t in active})
 
     def logprobs(self, batch: PackedBatch, model=None) -> jax.Array:
-        """Forward-only logp [micro, rows, L] of `model` (default: the policy) on the packed rows."""
+        """Forward-only logp [micro, rows, L] of `model` (default: the policy) on the packed rows;
+        0 in the micro-batches without a token the batch's terms weigh (they are not run)."""
         model = self.model if model is None else model
         fn = logprobs_program(nnx.graphdef(model), self.cfg, self.mesh)
         return fn(_committed(nnx.state(model, nnx.Param)), place_batch(batch, self.mesh))
@@ -374,23 +375,20 @@ class Learner:
         with `on_policy`, where the step takes them) and ref_logp (`ref_model`'s). The log-probs
         stay on the devices, in the batch's sharding (on several hosts no host holds all of them).
 
-        Only the leading micro-batches holding those terms' tokens run the forward pass (trajectory
-        rows are packed before forecasting rows), rounded up to a power of two micro-batches (few
-        compiled shapes); the rest stays 0.
+        Each pass runs only on the micro-batches holding tokens of the terms that read its field
+        (trajectory rows, not forecasting rows); the rest stays 0.
         """
         batch = self._active(batch)
         models = {"old_logp": None if on_policy else self.model, "ref_logp": ref_model}
         wanted = {f: needing(batch.weights, f) for f in models if not (f == "old_logp" and on_policy)}
-        heads = {f: _micro_with_tokens_of(batch, terms) for f, terms in wanted.items() if terms}
         batch = place_batch(batch, self.mesh)
-        for field, head in heads.items():
+        for field, terms in wanted.items():
+            if not terms:
+                continue
             if models[field] is None:
-                raise ValueError(f"the {' / '.join(wanted[field])} term needs a reference model")
-            part = jax.tree.map(lambda a: a[:head], batch) if head < batch.num_micro else batch
-            logp = self.logprobs(part, models[field])
-            if head < batch.num_micro:
-                logp = jnp.pad(logp, ((0, batch.num_micro - head), (0, 0), (0, 0)))
-            batch = batch.replace(**{field: logp})
+                raise ValueError(f"the {' / '.join(terms)} term needs a reference model")
+            readers = batch.replace(weights={t: batch.weights[t] for t in terms})
+            batch = batch.replace(**{field: self.logprobs(readers, models[field])})
         return batch
 
     def train(self, minibatches, ref_model=None) -> list[dict]:

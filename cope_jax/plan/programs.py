@@ -159,7 +159,7 @@ def _trainer_programs(c, model_cfg, layout: Layout, graphdef, state, spec) -> li
 
     model_def, params = _model_part(graphdef, state)
     logprobs = ts.logprobs_program(model_def, loss, mesh)
-    batch = ts.abstract_batch((1, rows, T), (), mesh)
+    batch = ts.abstract_batch((1, rows, T), loss.active_terms(spec.terms), mesh)  # weights: which micro-batches run
     out = [
         Program("train_step", step(loss, spec), shape, rows * T, train_loops, layout.params_bytes,
                 layout.optimizer_bytes, layout.reference_bytes + layout.replica_bytes,

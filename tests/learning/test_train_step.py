@@ -400,8 +400,8 @@ def test_af_modes_joint_and_sequential(setup):
 
 def test_old_and_ref_logprobs_only_on_policy_micro_batches():
     """Trajectories are packed first, the forecasting examples that do not fit on their trajectory's
-    row after them in their own micro-batches; the forward-only passes cover the micro-batches with
-    policy tokens (rounded up to a power of two) and leave 0 in the rest, which no loss term reads."""
+    row after them in their own micro-batches; the forward-only passes run on the micro-batches with
+    policy tokens only and leave 0 in the rest, which no loss term reads."""
     spec = methods.get_method("cope")
     # short rows: some examples hang on their trajectories' rows, the others need rows of their own
     mbs, _ = batching.build_minibatches(TRAJS, EXAMPLES, spec, LOSS, groups_per_minibatch=len(SUCCESS),
@@ -411,14 +411,14 @@ def test_old_and_ref_logprobs_only_on_policy_micro_batches():
     kinds = [set((idx[m][idx[m] >= 0] >= n_traj).tolist()) for m in range(batch.num_micro)]
     assert kinds == sorted(kinds, key=lambda k: True in k) and all(len(k) == 1 for k in kinds)
     with_policy = [m for m, k in enumerate(kinds) if k == {False}]
-    assert len(with_policy) == 6 and batch.num_micro == 9  # so the passes run on 8, skip 1
+    assert with_policy == list(range(6)) and batch.num_micro == 9  # so the passes run on 6, skip 3
     learner = train_step.Learner(fresh_model(), LOSS, OPT)
     filled = learner.fill_logprobs(batch, fresh_model())
-    full = np.asarray(learner.logprobs(batch))
+    full = np.asarray(learner.logprobs(batch))  # every term's weights: every micro-batch runs
     for name in ("old_logp", "ref_logp"):
         got = np.asarray(getattr(filled, name))
-        np.testing.assert_allclose(got[:8], full[:8], atol=1e-6)
-        assert not got[8:].any() and full[8:].any()
+        np.testing.assert_allclose(got[:6], full[:6], atol=1e-6)
+        assert not got[6:].any() and full[6:].any()
     # and the step reads them only where policy tokens are: same loss as with every pass run
     complete = filled.replace(old_logp=full, ref_logp=full)
     a, _, _ = packed_loss_and_grads(_params(fresh_model()), filled)

@@ -61,12 +61,15 @@ def _value_and_grads(fn, q, k, v):
 
 
 # (implementation, tokens, block): the kernels' blocks are multiples of 128, so their rows are longer
-# to span several blocks; here both kernels (TPU's, GPU's) run in Pallas interpret mode
-BLOCKED = [("blockwise", 83, 16), ("pallas-tpu", 300, 128), ("pallas-gpu", 300, 128)]
+# to span several blocks; here both kernels (TPU's, GPU's) run in Pallas interpret mode. `dense` with
+# a block scores each query block against its causal prefix only
+BLOCKED = [("blockwise", 83, 16), ("pallas-tpu", 300, 128), ("pallas-gpu", 300, 128), ("dense", 83, 16)]
 
 
 def _blocked(implementation: str, block: int, mesh=None):
-    """blockwise, or pallas with the named platform's kernel in interpret mode."""
+    """blockwise, dense in query blocks, or pallas with the named platform's kernel in interpret mode."""
+    if implementation == "dense":
+        return lambda q, k, v, ids: attn.dense(q, k, v, ids, block=block)
     kernel = None if implementation == "blockwise" else attn.Kernel(implementation.split("-")[1], True, mesh)
     return lambda q, k, v, ids: attn.blockwise(q, k, v, ids, block=block, kernel=kernel)
 
@@ -192,7 +195,7 @@ def tiny_dir(tmp_path_factory):
     return directory, torch_model
 
 
-@pytest.mark.parametrize("implementation,block", [("blockwise", 8), ("pallas", 128)])
+@pytest.mark.parametrize("implementation,block", [("blockwise", 8), ("pallas", 128), ("dense", 8)])
 def test_model_with_a_blocked_implementation_matches_transformers_and_dense(tiny_dir, implementation, block):
     directory, torch_model = tiny_dir
     dense, cfg = models.load_hf_model(directory, attention="dense")
