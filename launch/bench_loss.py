@@ -23,6 +23,13 @@ JSON lines:
   + AdamW. Two lines, `grads` (loss and gradients) and `step` (+ clipping and AdamW), each with the
   FLOP bound of this host measured right before it (`bound_seconds` = model FLOPs / matmul peak,
   `of_bound` = bound / measured). No remat (the batch's activations fit), the config's chunked head.
+- demo_train: the demo's RL train phase (`configs/demo.py`, what a step's `train_s` times): its
+  random-init policy, the first step's 6 tasks x 8 episodes played by the demonstrator with the warm
+  start's slips and idling (the demo's episode lengths; every other episode of a group marked failed,
+  so advantages and forecasting examples are the step's mix), `loop.learn` on them (mini-batches,
+  old / reference passes, one optimizer step each). `model_tflop` counts each pass's model FLOPs on
+  the rows' tokens (forward 2 N T, step 6 N T, attention over each segment's causal prefix);
+  `bound_seconds` is that over the matmul peak measured right before.
 Time, tokens/s and MFU are measured (best of --loss_repeats, after a warm-up call unless
 --noloss_warmup) where the compiled
 peak fits in --loss_max_run_gb of host/device memory and, for the whole step, where the token count
@@ -48,8 +55,8 @@ flags.DEFINE_enum("loss_dtype", "float32", ["float32", "bfloat16"], "Compute and
 flags.DEFINE_integer("loss_repeats", 1, "Timed repeats; the best is reported.")
 flags.DEFINE_bool("loss_warmup", True, "One untimed call before the timed ones (compiles are always "
                   "excluded: executables are compiled ahead of time).")
-flags.DEFINE_list("loss_parts", ["logits", "step", "grpo", "peer"], "What to measure: logits, step, grpo, "
-                  "peer.")
+flags.DEFINE_list("loss_parts", ["logits", "step", "grpo", "peer", "demo"], "What to measure: logits, step, "
+                  "grpo, peer, demo.")
 flags.DEFINE_list("loss_variants", ["chunked", "full"], "Logits variants: chunked, full.")
 flags.DEFINE_list("loss_time_step_tokens", ["4096"], "Token counts at which the whole step is timed "
                   "(memory is reported at all of them); 'all' for every --loss_tokens.")
@@ -342,6 +349,78 @@ def bench_peer(cfg) -> None:
               bound_seconds=round(bound, 3), of_bound=round(bound / line["seconds"], 4))
 
 
+def demo_phase():
+    """(the demo's run parts, the mini-batch trajectories and examples of its first RL step):
+    module docstring, `demo_train`. Close the parts' pool after use."""
+    import dataclasses
+    import tempfile
+
+    from configs.demo import get_config
+    from cope_jax.learning.forecasting import build_examples
+    from cope_jax.run.build import build
+    from cope_jax.run.demos import expert_trajectories
+    from cope_jax.stages.loop import runner
+
+    c = get_config()
+    parts = build(c, tempfile.mkdtemp(prefix="bench_demo_"))
+    tasks = parts.family.task_ids(c.env.train_split)[:c.rollout.tasks_per_step]
+    plan = [t for t in tasks for _ in range(c.rollout.group_size)]
+    played = expert_trajectories(runner(parts, "train"), plan, max_rounds=c.env.max_rounds_train,
+                                 mistakes=c.warmstart.mistakes, dawdle=c.warmstart.dawdle, seed=c.seed)
+    trajs = [dataclasses.replace(t, group_id=i // c.rollout.group_size, success=i % 2 == 0,
+                                 score=float(i % 2 == 0)) for i, t in enumerate(played)]
+    return parts, trajs, build_examples(trajs, parts.chat, parts.forecast_cfg)
+
+
+def demo_flops(cfg, mbs) -> float:
+    """Model FLOPs of `loop.learn` on `mbs`: per mini-batch a forward pass per log-prob field its
+    terms read (2 N T) and the step (6 N T), attention 4 H D per visible (query, key) pair forward."""
+    from cope_jax.learning.methods import needing
+
+    E, H, K, D, F = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    N = cfg.num_layers * (E * H * D * 2 + 2 * E * K * D + 3 * E * F) + cfg.vocab_size * E
+    total = 0.0
+    for mb in mbs:
+        seg = np.asarray(mb.batch.segment_ids)
+        tokens = float((seg > 0).sum())
+        _, counts = np.unique(seg[seg > 0], return_counts=True)  # a row's segments (ids are per row)
+        pairs = float(sum(n * (n + 1) / 2 for n in counts))
+        forward = 2 * N * tokens + 4 * cfg.num_layers * H * D * pairs
+        passes = len([f for f in ("old_logp", "ref_logp") if needing(mb.terms, f)])
+        total += passes * forward + 3 * forward
+    return total
+
+
+def bench_demo() -> None:
+    """The `demo_train` line (module docstring): best of --loss_repeats after a warm-up call."""
+    from cope_jax.learning.train_step import Learner
+    from cope_jax.stages.loop import learn
+    import models
+
+    parts, trajs, examples = demo_phase()
+    try:
+        c = parts.config
+        ref_model = models.qwen.frozen_copy(parts.model)
+        learner = Learner(parts.model, parts.loss_cfg, parts.opt_cfg, mesh=parts.mesh)
+        mbs = []
+
+        def phase():
+            _, _, built = learn(parts, learner, parts.loss_cfg, parts.spec, trajs, examples,
+                                groups_per_minibatch=c.train.minibatch_tasks, ref_model=ref_model)
+            mbs[:] = built
+
+        peak = matmul_peak(FLAGS.loss_dtype, emit=False)
+        seconds = _best(phase, FLAGS.loss_repeats)
+        flops = demo_flops(parts.model.cfg, mbs)
+        tokens = int(sum((np.asarray(mb.batch.segment_ids) > 0).sum() for mb in mbs))
+        _emit(bench="loss", kind="demo_train", episodes=len(trajs), af_examples=len(examples),
+              minibatches=len(mbs), tokens=tokens, seconds=round(seconds, 3), model_tflop=round(flops / 1e12, 4),
+              peak_tflops=round(peak / 1e12, 4), bound_seconds=round(flops / peak, 3),
+              of_bound=round(flops / peak / seconds, 4))
+    finally:
+        parts.close()
+
+
 def run(argv: list[str]) -> None:
     del argv
     import jax
@@ -351,6 +430,8 @@ def run(argv: list[str]) -> None:
     timed = FLAGS.loss_time_step_tokens
     if "peer" in FLAGS.loss_parts:
         bench_peer(cfg)
+    if "demo" in FLAGS.loss_parts:
+        bench_demo()
     for tokens in (int(t) for t in FLAGS.loss_tokens if {"logits", "step", "grpo"} & set(FLAGS.loss_parts)):
         batch = packed_batch(tokens, FLAGS.loss_row_len, cfg.vocab_size)
         tokens = batch.tokens.size  # whole rows

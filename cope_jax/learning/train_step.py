@@ -399,5 +399,6 @@ class Learner:
         on_policy = with_old == [0]
         filled = [self.fill_logprobs(mb.batch, ref_model, on_policy=on_policy and i == 0)
                   for i, mb in enumerate(minibatches)]
-        return [{k: float(v) for k, v in self.step(batch, on_policy=on_policy and i == 0).items()}
-                for i, batch in enumerate(filled)]
+        # every step dispatched before any metric is read: the host never waits between steps
+        metrics = [self.step(batch, on_policy=on_policy and i == 0) for i, batch in enumerate(filled)]
+        return [{k: float(v) for k, v in m.items()} for m in jax.device_get(metrics)]

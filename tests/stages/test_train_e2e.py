@@ -1,6 +1,5 @@
 """End to end on the built-in environment: every method trains 2 steps and leaves checkpoints,
 TensorBoard events and eval.json; a run killed with SIGKILL resumes to the same metrics."""
-import dataclasses
 import glob
 import json
 import math
@@ -15,6 +14,7 @@ import pytest
 from configs import base, demo
 from cope_jax.stages.runs import eval_run, train_run
 from tests.config_flags import override_flags
+from tests.stages.expert import with_a_success_per_group
 from tests.paths import ROOT
 
 REPO = ROOT
@@ -33,30 +33,6 @@ def tiny_config(method: str, steps: int = 2):
     c.eval.update(every=steps, tasks=2, samples=1)
     c.checkpoint.update(every=1, keep=2)
     return c
-
-
-def with_a_success_per_group(monkeypatch):
-    """Each RL step's first episode of every group is replaced by the expert's successful play of
-    the same task (a tiny random policy rarely succeeds, and a method whose rows need a success --
-    rft, sft_success, cope's forecasting -- would train nothing without one)."""
-    from cope_jax.run.demos import expert_trajectories
-    from cope_jax.stages import loop, rl
-
-    real, cache = rl.rollout, {}
-
-    def rollout(parts, runner, plan, key, next_plan=(), on_progress=None):
-        trajs, stats = real(parts, runner, plan, key, next_plan, on_progress)
-        first = {}
-        for i, t in enumerate(trajs):
-            first.setdefault(t.group_id, i)
-        for g, i in first.items():
-            task = trajs[i].task_id
-            if task not in cache:
-                (cache[task],) = expert_trajectories(loop.runner(parts, "train"), [task], max_rounds=30)
-            trajs[i] = dataclasses.replace(cache[task], group_id=g)
-        return trajs, stats
-
-    monkeypatch.setattr(rl, "rollout", rollout)
 
 
 def term_activity(record: dict, terms) -> dict:
