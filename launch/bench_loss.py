@@ -376,15 +376,16 @@ def demo_flops(cfg, mbs) -> float:
     """Model FLOPs of `loop.learn` on `mbs`: per mini-batch a forward pass per log-prob field its
     terms read (2 N T) and the step (6 N T), attention 4 H D per visible (query, key) pair forward."""
     from cope_jax.learning.methods import needing
+    from models import attention as attn
 
     E, H, K, D, F = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     N = cfg.num_layers * (E * H * D * 2 + 2 * E * K * D + 3 * E * F) + cfg.vocab_size * E
     total = 0.0
     for mb in mbs:
-        seg = np.asarray(mb.batch.segment_ids)
+        seg, pos, branch = (np.asarray(a).reshape(-1, a.shape[-1]) for a in
+                            (mb.batch.segment_ids, mb.batch.positions, mb.batch.branch_ids))
         tokens = float((seg > 0).sum())
-        _, counts = np.unique(seg[seg > 0], return_counts=True)  # a row's segments (ids are per row)
-        pairs = float(sum(n * (n + 1) / 2 for n in counts))
+        pairs = float(np.asarray(attn.dense_mask(attn.packed_ids(seg, pos, branch))).sum())  # visible ones
         forward = 2 * N * tokens + 4 * cfg.num_layers * H * D * pairs
         passes = len([f for f in ("old_logp", "ref_logp") if needing(mb.terms, f)])
         total += passes * forward + 3 * forward
