@@ -136,7 +136,7 @@ def attention(q, k, v, ids: MaskIds, *, implementation: str = "auto", block: int
     mesh: the devices the program is compiled for (default: the default backend's): it names the
     platform (a program compiled ahead of time for a TPU topology on a CPU host is a TPU program) and
     how the kernel's rows and heads are split."""
-    platform = _platform(mesh)
+    platform = platform_of(mesh)
     chosen = choose(implementation, q.shape[1], k.shape[1], q.shape[-1], block, ids.packed, platform)
     if chosen == "dense":
         return dense(q, k, v, ids, block=block)
@@ -151,7 +151,7 @@ def cached(q, kv, layer: int, ids: CacheIds, *, implementation: str = "auto", bl
     The kernel where `choose` takes it for a prefill chunk (T > 1: its blocks of queries fill the
     TPU's tiles); otherwise `cache_loop`, whatever `implementation` says: it computes what dense
     would, reading only the filled key blocks."""
-    platform = _platform(mesh)
+    platform = platform_of(mesh)
     T, S = q.shape[1], kv[0].shape[2]
     if T > 1 and choose(implementation, T, S, q.shape[-1], block, False, platform) == "pallas":
         k, v = (a[layer].astype(q.dtype) for a in kv)
@@ -159,7 +159,8 @@ def cached(q, kv, layer: int, ids: CacheIds, *, implementation: str = "auto", bl
     return cache_loop(q, kv, layer, ids, block=block)
 
 
-def _platform(mesh: Mesh | None) -> str:
+def platform_of(mesh: Mesh | None) -> str:
+    """The platform a program for `mesh` runs on (the default backend's without one)."""
     return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
 
 

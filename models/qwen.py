@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from models import attention as attn
+from models import linear
 from models import lora as lora_lib
 from models import loops
 from models import sharding as shd
@@ -302,14 +303,15 @@ def _matmul_out_in(x, w) -> jax.Array:
     return jax.lax.optimization_barrier(w @ rows.T).T.reshape(*x.shape[:-1], w.shape[0])
 
 
-def _project(names: tuple[str, ...], x, w: dict, out_shapes, decode_layout: bool,
+def _project(names: tuple[str, ...], x, w: dict, out_shapes, decode_layout: bool, platform: str,
              lora_scale: float = 0.0) -> tuple[jax.Array, ...]:
-    """x times each projection of a `_FUSED` group: one einsum each in the stored layout (plus its
-    LoRA adapter's low-rank product where it has one), one product with the group's [out, in]
-    matrix in the decode layout (adapters already merged into it)."""
+    """x times each projection of a `_FUSED` group: one product each in the stored layout
+    (`linear.project`, plus its LoRA adapter's low-rank product where it has one), one product with
+    the group's [out, in] matrix in the decode layout (adapters already merged into it)."""
     if not decode_layout:
         def one(n):
-            y = jnp.einsum(_PROJECTIONS[n][0], x, w[n])
+            equation, n_in = _PROJECTIONS[n]
+            y = linear.project(equation, x, w[n], n_in, platform)
             a, b = lora_lib.adapter_names(n)
             return y if a not in w else y + lora_lib.delta(n, x, w[a], w[b], lora_scale)
         return tuple(one(n) for n in names)
@@ -337,7 +339,7 @@ def _decoder_layer(p: dict[str, jax.Array], x, kv, layer, slots, *, cfg: QwenCon
     x = x.astype(jnp.float32)
     w = {k: v.astype(dtype) for k, v in p.items()}
     H, K, D, E, F = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
-    proj = functools.partial(_project, w=w, decode_layout=decode_layout,
+    proj = functools.partial(_project, w=w, decode_layout=decode_layout, platform=attn.platform_of(mesh),
                              lora_scale=0.0 if cfg.lora is None else cfg.lora.scale)
     h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps).astype(dtype)
     q, k, v = proj(("q_proj", "k_proj", "v_proj"), h, out_shapes=((H, D), (K, D), (K, D)))

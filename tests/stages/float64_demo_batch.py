@@ -1,7 +1,7 @@
 """python -m tests.stages.float64_demo_batch: the loss and gradients of the demo's first
-mini-batch in float64, by this code and by the code before the attention reordering (6f9bd15's
-dense attention, scanned layers, one query block), printed as one JSON line of relative
-differences. Run under JAX_ENABLE_X64=1 (`test_unchanged.py`)."""
+mini-batch in float64, by this code and by the code before the reordering (6f9bd15: its dense
+attention, one query block, scanned layers, projections differentiated by plain autodiff),
+printed as one JSON line of relative differences. Run under JAX_ENABLE_X64=1 (`test_unchanged.py`)."""
 import json
 
 import jax
@@ -49,7 +49,7 @@ def main():
     assert jax.config.jax_enable_x64, "run with JAX_ENABLE_X64=1"
     from launch import bench_loss
     from models import attention as attn
-    from models import qwen
+    from models import linear, qwen
 
     parts, trajs, examples = bench_loss.demo_phase()
     try:
@@ -61,6 +61,7 @@ def main():
         new = loss_and_grads(parts.model, batch, parts.loss_cfg)
         old_graphdef, _ = nnx.split(qwen.abstract_model(cfg.replace(scan_layers=True, attention_block=512)))
         attn.dense = old_dense
+        linear.project = lambda equation, x, w, n_in, platform: jnp.einsum(equation, x, w)
         old = loss_and_grads(nnx.merge(old_graphdef, state), batch, parts.loss_cfg)
     finally:
         parts.close()
