@@ -38,7 +38,8 @@ def get_config(method: str = "cope"):
     c.model.update(init="random", family="qwen3", hidden_size=128, intermediate_size=256, num_layers=3,
                    num_heads=4, num_kv_heads=2, head_dim=32, tie_word_embeddings=True, rope_theta=1e4,
                    dtype="float32", param_dtype="float32", remat="none",
-                   # three layers in line: XLA:CPU runs them ~1.2x faster than a scanned stack
+                   # three layers in line: XLA:CPU runs them faster than a scanned stack (a
+                   # warm-start step 0.95 s -> 0.80 s on 2 cores)
                    scan_layers=False,
                    # 768-token rows: dense scores are small, and on CPU faster than blockwise; in
                    # query blocks of 256, each scoring only the keys up to its end (a warm-start
