@@ -28,8 +28,9 @@ JSON lines:
   start's slips and idling (the demo's episode lengths; every other episode of a group marked failed,
   so advantages and forecasting examples are the step's mix), `loop.learn` on them (mini-batches,
   old / reference passes, one optimizer step each). `model_tflop` counts each pass's model FLOPs on
-  the rows' tokens (forward 2 N T, step 6 N T, attention over each segment's causal prefix);
-  `bound_seconds` is that over the matmul peak measured right before.
+  the rows' tokens (forward 2 N T, step 6 N T, attention 4 H D per (query, key) pair the mask lets
+  through, three times that in the step); `bound_seconds` is that over the matmul peak measured
+  right before.
 Time, tokens/s and MFU are measured (best of --loss_repeats, after a warm-up call unless
 --noloss_warmup) where the compiled
 peak fits in --loss_max_run_gb of host/device memory and, for the whole step, where the token count

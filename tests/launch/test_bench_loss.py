@@ -1,5 +1,6 @@
-"""launch.bench --suite=loss --loss_parts=peer: the peer comparison's GRPO batch (8 sequences of 64
-prompt + 128 completion tokens), loss + gradients and the whole step, each beside the host's FLOP bound."""
+"""launch.bench --suite=loss: the peer comparison's GRPO batch (8 sequences of 64 prompt + 128
+completion tokens), loss + gradients and the whole step, each beside the host's FLOP bound; the
+demo's train phase beside its own."""
 import json
 import subprocess
 import sys
@@ -31,3 +32,18 @@ def test_the_peer_step_lines_stand_beside_the_flop_bound():
         assert x["tokens"] == 1536 and x["layers"] == 1
         assert 0 < x["bound_seconds"] < x["seconds"] * 1.5
         assert x["of_bound"] == pytest.approx(x["bound_seconds"] / x["seconds"], abs=5e-4)  # rounded parts
+
+
+def test_the_demo_train_phase_stands_beside_its_flop_bound():
+    """`demo_train`: the demo's first RL step's mini-batches (48 demonstrator episodes, half of each
+    group failed, their forecasting examples) through `loop.learn`, with its model FLOPs counted
+    from the rows (a pass each for old and reference log-probs, then the step: 5 forwards' worth)."""
+    out = subprocess.run([sys.executable, "-m", "launch.bench", "--suite=loss", "--loss_parts=demo",
+                          "--noloss_warmup"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (line,) = [json.loads(x) for x in out.stdout.splitlines() if x.startswith('{"bench": "loss", "kind": "demo')]
+    assert line["episodes"] == 48 and line["minibatches"] == 2 and line["af_examples"] > 0, line
+    # forward FLOPs of the demo model (~0.57 M matmul parameters, 2 N per token) set a floor
+    assert line["model_tflop"] * 1e12 > 5 * 2 * 0.5e6 * line["tokens"] * 0.5, line
+    assert line["bound_seconds"] == pytest.approx(line["model_tflop"] / line["peak_tflops"], rel=2e-2, abs=2e-3)
+    assert line["of_bound"] == pytest.approx(line["bound_seconds"] / line["seconds"], rel=2e-2, abs=1e-3)
