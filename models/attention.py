@@ -44,6 +44,7 @@ from models import sharding as shd
 IMPLEMENTATIONS = ("auto", "dense", "blockwise", "pallas")
 KERNELS = {"tpu": attention_tpu, "gpu": attention_gpu}  # platform -> its Pallas forward kernel
 NEG_INF = -1e30  # finite, so fully masked rows stay NaN-free
+DENSE_BLOCKS = 8  # at most this many query blocks in `dense`
 _PAD_Q, _PAD_K = -1, -2  # segment ids of the block padding: they match nothing
 
 
@@ -215,7 +216,7 @@ def dense(q, k, v, ids: MaskIds, *, block: int | None = None) -> jax.Array:
     qg = q.reshape(B, T, K, H // K, D).transpose(0, 2, 3, 1, 4)
     kk, vv = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     mask = dense_mask(ids)
-    step = block if ids.packed and block and block < T else T
+    step = _query_block(T, block) if ids.packed and block else T
     outs = []
     for lo in range(0, T, step):
         hi = min(T, lo + step)
@@ -223,6 +224,12 @@ def dense(q, k, v, ids: MaskIds, *, block: int | None = None) -> jax.Array:
         outs.append(_dense_block(qg[:, :, :, lo:hi], kk[:, :, :end], vv[:, :, :end], mask[:, lo:hi, :end], D))
     out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
+
+
+def _query_block(T: int, block: int) -> int:
+    """Queries per block of `dense` on packed rows: `block`, or more where T would need more than
+    DENSE_BLOCKS of them (each is its own products in the program: long rows stay few)."""
+    return max(block, _round_up(-(-T // DENSE_BLOCKS), 8))
 
 
 def _dense_block(qg, kk, vv, mask, D: int) -> jax.Array:
