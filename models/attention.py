@@ -3,7 +3,8 @@
 Which key a query may see is computed from per-token ids (`MaskIds`), never passed in as a
 `[T, S]` array, so an implementation can evaluate the mask one block at a time:
 - `dense`: scores `[B, K, G, T, S]` in float32 and one softmax (transformers' arithmetic); on
-  packed rows one query block of `block` at a time, over the keys up to the block's end. The
+  packed rows one query block of `block` at a time (at most `DENSE_BLOCKS` of them), over the keys
+  up to the block's end. The
   reference, and the fastest choice for a decode step's single query per row.
 - `blockwise`: flash-style online softmax over (query block, key block) pairs with a custom VJP that
   recomputes each block's probabilities, so memory grows with T·block, not T·S. In packed rows

@@ -28,16 +28,18 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclasses.dataclass(frozen=True)
 class Range:
-    """A number in [low, high] (None: unbounded); `whole`: an integer."""
+    """A number in [low, high] (None: unbounded); `whole`: an integer; `multiple`: of it."""
 
     low: float | None = None
     high: float | None = None
     whole: bool = True
     what: str = ""  # how the message names it (default: a whole number / a number)
+    multiple: int = 1
 
     def problem(self, value: Any) -> str | None:
         inside = (self.low is None or value >= self.low) and (self.high is None or value <= self.high)
-        if inside and (not self.whole or float(value).is_integer()):
+        whole = not self.whole or float(value).is_integer()
+        if inside and whole and (self.multiple == 1 or value % self.multiple == 0):
             return None
         kind = self.what or ("a whole number" if self.whole else "a number")
         if self.low is not None and self.high is not None:
@@ -63,7 +65,7 @@ RULES: dict[str, Range | OneOf] = {
     "model.init": OneOf(("pretrained", "random")),
     "model.dtype": OneOf(DTYPES), "model.param_dtype": OneOf(DTYPES),
     "model.remat": OneOf(tuple(REMAT_POLICIES)), "model.attention": OneOf(IMPLEMENTATIONS),
-    "model.attention_block": COUNT, "model.family": OneOf(("qwen2", "qwen3")),
+    "model.attention_block": Range(8, multiple=8, what="a multiple of 8"), "model.family": OneOf(("qwen2", "qwen3")),
     **{f"model.{k}": SIZE for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                                      "num_heads", "num_kv_heads", "head_dim")},
     "model.rope_theta": Range(0, whole=False),
