@@ -150,7 +150,7 @@ def loss_and_grads(model, batch: PackedBatch, cfg: LossConfig, coefs: dict | Non
     def body(carry, mb):
         # micro-batches without a token of these terms cost nothing: padding (a mini-batch padded
         # to a compiled size), or the other terms' rows when one term's gradient is asked alone
-        carries = _carries_weights(mb.replace(weights={t: mb.weights[t] for t in coefs}))
+        carries = _carries([mb.weights[t] for t in coefs])
         return jax.lax.cond(carries, accumulate, lambda c, _: c, carry, mb), None
 
     like_params = functools.partial(_like_params, mesh=mesh)
@@ -256,17 +256,17 @@ def _term_grad_norms(model, batch, cfg, coefs, grads, *, on_policy, mesh) -> dic
     return norms
 
 
-def _carries_weights(mb: PackedBatch) -> jax.Array:
-    """Whether a micro-batch holds a token any of its terms weighs (padding micro-batches and the
-    rows of other terms do not: the step and the forward passes skip them)."""
-    return functools.reduce(jnp.logical_or, [jnp.any(w != 0) for w in mb.weights.values()])
+def _carries(weights) -> jax.Array:
+    """Whether a micro-batch holds a token any of these per-term weights weighs (padding
+    micro-batches and the rows of other terms do not: the step and the forward passes skip them)."""
+    return functools.reduce(jnp.logical_or, [jnp.any(w != 0) for w in weights])
 
 
 def _logprobs(graphdef, params, batch, *, cfg, mesh):
     model = nnx.merge(graphdef, params)
 
     def one(mb):
-        return jax.lax.cond(_carries_weights(mb),
+        return jax.lax.cond(_carries(mb.weights.values()),
                             lambda mb: model_logprobs(model, mb, cfg, with_entropy=False, mesh=mesh)[0],
                             lambda mb: jnp.zeros(mb.tokens.shape, jnp.float32), mb)
 
