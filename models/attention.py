@@ -46,6 +46,7 @@ IMPLEMENTATIONS = ("auto", "dense", "blockwise", "pallas")
 KERNELS = {"tpu": attention_tpu, "gpu": attention_gpu}  # platform -> its Pallas forward kernel
 NEG_INF = -1e30  # finite, so fully masked rows stay NaN-free
 DENSE_BLOCKS = 8  # at most this many query blocks in `dense`
+CACHE_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")  # the KV cache's logical axes
 _PAD_Q, _PAD_K = -1, -2  # segment ids of the block padding: they match nothing
 
 
@@ -156,10 +157,27 @@ def cached(q, kv, layer: int, ids: CacheIds, *, implementation: str = "auto", bl
     would, reading only the filled key blocks."""
     platform = platform_of(mesh)
     T, S = q.shape[1], kv[0].shape[2]
+    if T == 1 and platform == "gpu" and attention_gpu.decode_supports(S, q.shape[-1]):
+        return gpu_decode(q, kv, layer, ids, mesh=mesh), kv
     if T > 1 and choose(implementation, T, S, q.shape[-1], block, False, platform) == "pallas":
         k, v = (a[layer].astype(q.dtype) for a in kv)
         return blockwise(q, k, v, ids.mask_ids(S), block=block, kernel=_kernel(platform, mesh)), kv
     return cache_loop(q, kv, layer, ids, block=block)
+
+
+def gpu_decode(q, kv, layer, ids: CacheIds, *, mesh: Mesh | None = None, interpret: bool = False):
+    """A decode step's attention (q [B, 1, H, D]) as the GPU decode kernel (`attention_gpu.decode`):
+    what `cache_loop` computes for the rows that append a token, with no loop whose trip count the
+    host reads. Under a mesh each device runs it on its rows and KV heads, the cache where it lies."""
+    run = functools.partial(attention_gpu.decode, interpret=interpret)
+    layer = jnp.asarray(layer, jnp.int32)
+    if mesh is None or mesh.size == 1:
+        return run(q[:, 0], *kv, layer, ids.filled)[:, None]
+    cache = shd.logical_to_spec(CACHE_AXES, kv[0].shape, mesh)
+    rows, heads = cache[1], cache[3]
+    out = jax.shard_map(run, mesh=mesh, in_specs=(P(rows, heads, None), cache, cache, P(), P(rows)),
+                        out_specs=P(rows, heads, None), check_vma=False)(q[:, 0], *kv, layer, ids.filled)
+    return out[:, None]
 
 
 def platform_of(mesh: Mesh | None) -> str:

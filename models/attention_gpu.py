@@ -91,3 +91,88 @@ def _kernel(q_ids, k_ids, q_ref, k_ref, v_ref, out_ref, lse_ref, *, scale, nk):
     seen = l > 0
     out_ref[...] = (acc / jnp.where(seen, l, 1.0)[:, None]).astype(out_ref.dtype)
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
+
+
+# -- decode: one query per row over the KV cache ------------------------------------------------------
+DECODE_TILE = 64  # cache slots per key tile
+DECODE_PROGRAMS = 128  # programs a call aims at (an H100 has 132 SMs): rows x KV heads x key splits
+
+
+def decode_supports(max_len: int, head_dim: int) -> bool:
+    """Whether `decode` takes a cache window of `max_len` slots: whole key tiles, a Triton head."""
+    return max_len % DECODE_TILE == 0 and head_dim in (32, 64, 128, 256)
+
+
+def decode_splits(rows: int, kv_heads: int, max_len: int) -> int:
+    """Key splits per (row, KV head): a power of two, so few rows still fill the GPU
+    (flash-decoding), each split at least one tile."""
+    splits = 1
+    while rows * kv_heads * splits * 2 <= DECODE_PROGRAMS and max_len // (splits * 2) >= DECODE_TILE:
+        splits *= 2
+    return splits
+
+
+def decode(q, k, v, layer, filled, *, interpret: bool):
+    """q [B, H, D] (a decode step's one query per row) over cache row `layer` of the stacked window
+    k / v [L, B, S, K, D]; row b reads slots [0, filled[b]) -> [B, H, D].
+
+    One program per (row, KV head, key split) loads its group's G queries once and loops over the
+    split's filled tiles only (a loop inside the kernel: no trip count for the host to read); the
+    splits' partial softmaxes are combined here. The cache is read in place at a traced `layer`
+    (a slice of it outside the kernel would be a copy of the layer's window)."""
+    B, H, D = q.shape
+    S, K = k.shape[2], k.shape[3]
+    G = H // K
+    Gp = max(16, pl.next_power_of_2(G))  # Triton's dot takes 16 rows or more
+    splits = decode_splits(B, K, S)
+    qg = jnp.pad(q.reshape(B, K, G, D), ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
+    scalar = pl.BlockSpec((None,), lambda b, h, s: (b,))
+    cache = pl.BlockSpec(k.shape, lambda b, h, s: (0, 0, 0, 0, 0))
+    part = lambda *tail: pl.BlockSpec((None, None, None, *tail), lambda b, h, s: (b, h, s) + (0,) * len(tail))
+    acc, m, l = pl.pallas_call(
+        functools.partial(_decode_kernel, scale=D ** -0.5, chunk=S // splits),
+        grid=(B, K, splits),
+        in_specs=[pl.BlockSpec((None,), lambda b, h, s: (0,)), scalar,
+                  pl.BlockSpec((None, None, Gp, D), lambda b, h, s: (b, h, 0, 0)), cache, cache],
+        out_specs=[part(Gp, D), part(Gp), part(Gp)],
+        out_shape=[jax.ShapeDtypeStruct((B, K, splits, Gp, D), jnp.float32),
+                   jax.ShapeDtypeStruct((B, K, splits, Gp), jnp.float32),
+                   jax.ShapeDtypeStruct((B, K, splits, Gp), jnp.float32)],
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        cost_estimate=pl.CostEstimate(flops=4 * B * K * Gp * S * D, transcendentals=B * K * Gp * S,
+                                      bytes_accessed=2 * B * S * K * D * k.dtype.itemsize),
+    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), jnp.asarray(filled, jnp.int32), qg, k, v)
+    top = jnp.max(m, axis=2, keepdims=True)
+    w = jnp.exp(m - top)  # a split that saw nothing has l = acc = 0
+    total = jnp.sum(l * w, axis=2)
+    out = jnp.sum(acc * w[..., None], axis=2) / jnp.where(total > 0, total, 1.0)[..., None]
+    return out[:, :, :G].reshape(B, H, D).astype(q.dtype)
+
+
+def _decode_kernel(layer_ref, filled_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, scale, chunk):
+    b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer, filled = layer_ref[()], filled_ref[()]
+    start = split * chunk
+    q = q_ref[...]  # [Gp, D]
+
+    def body(j, carry):
+        acc, m, l = carry
+        lo = start + j * DECODE_TILE
+        tile = pl.ds(lo, DECODE_TILE)
+        kt = k_ref[layer, b, tile, h, :].astype(q.dtype)  # [TILE, D]
+        s = plt.dot(q, kt, trans_b=True).astype(jnp.float32) * scale  # [Gp, TILE]
+        mask = (lo + jnp.arange(DECODE_TILE) < filled)[None, :]
+        s = jnp.where(mask, s, NEG_INF)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+        correction = jnp.exp(m - m_new)
+        vt = v_ref[layer, b, tile, h, :].astype(q.dtype)
+        pv = plt.dot(p.astype(q.dtype), vt).astype(jnp.float32)
+        return acc * correction[:, None] + pv, m_new, l * correction + jnp.sum(p, axis=1)
+
+    init = (jnp.zeros(q.shape, jnp.float32), jnp.full((q.shape[0],), NEG_INF, jnp.float32),
+            jnp.zeros((q.shape[0],), jnp.float32))
+    trips = jnp.clip((filled - start + DECODE_TILE - 1) // DECODE_TILE, 0, chunk // DECODE_TILE)
+    acc, m, l = jax.lax.fori_loop(0, trips, body, init)
+    acc_ref[...], m_ref[...], l_ref[...] = acc, m, l

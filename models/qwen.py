@@ -52,7 +52,7 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "layers/down_proj": ("layers", "mlp", "embed"),
     **lora_lib.param_axes(),  # present only for a config's LoRA targets
 }
-CACHE_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+CACHE_AXES = attn.CACHE_AXES
 
 REMAT_POLICIES = {
     "none": None,

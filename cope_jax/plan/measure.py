@@ -16,7 +16,8 @@ sampler's layers) is compiled unrolled entirely instead: there one more iteratio
 loop counted twice what an unrolled layer does. The partitioner makes loops of its own too (a windowed
 einsum overlaps an FSDP all-gather with slices of the matmul), which no flag of ours unrolls, so the
 cost compiles turn those off (`COST_OPTIONS`): they move the same FLOPs and bytes, only in one piece.
-The GPU compiler reports no cost, so GPU estimates use the analytical counts; so do programs whose
+The GPU compiler reports no cost, so GPU estimates use the analytical counts; what it reports
+instead is what each program launches (`plan/launches.py`: kernels, and loops the host steers); so do programs whose
 cost variants do not fit (the note says so). The roofline time, max(FLOPs / peak, bytes / bandwidth), is an estimate: a
 lower bound that ignores communication and overlap.
 """
@@ -27,6 +28,7 @@ import dataclasses
 import re
 import time
 
+from cope_jax.plan import launches
 from cope_jax.plan.programs import Program
 from cope_jax.plan.targets import Target
 from models import loops
@@ -57,6 +59,9 @@ class Result:
     tokens_per_s: float | None = None
     must_bytes: float | None = None  # per chip: what the program cannot avoid moving (`Program.must_bytes`)
     bytes_ratio: float | None = None  # hbm_bytes / must_bytes
+    kernels: int | None = None     # GPU: kernels launched per call (per step of a decode loop)
+    kernels_per_layer: float | None = None
+    host_synced: int | None = None  # GPU: loops (and conditionals) per call whose trip count the host reads
     note: str = ""
 
     @property
@@ -112,6 +117,8 @@ def measure(program: Program, target: Target, *, cost: bool = True) -> Result:
         return result
     result.compile_s = time.perf_counter() - t0
     _memory(result, compiled.memory_analysis(), program)
+    if target.platform == "cuda":
+        _launches(result, compiled.as_text(), program)
     result.fits = result.total <= result.usable_bytes
     if cost:
         add_cost(result, program, target)
@@ -125,6 +132,13 @@ def _memory(result: Result, mem, program: Program) -> None:
     result.temporaries, result.code = mem.temp_size_in_bytes, mem.generated_code_size_in_bytes
     result.total = (mem.argument_size_in_bytes + result.outputs + result.temporaries + result.code
                     + program.resident_bytes)
+
+
+def _launches(result: Result, hlo_text: str, program: Program) -> None:
+    counted = launches.count(hlo_text, per_step=program.per_step)
+    result.kernels, result.host_synced = counted.kernels, counted.host_synced
+    layers = program.loops.get("layers")
+    result.kernels_per_layer = counted.kernels / layers.trips if layers else None
 
 
 def add_cost(result: Result, program: Program, target: Target) -> None:

@@ -69,6 +69,7 @@ class Program:
     analytic_flops: float       # per chip
     must_bytes: float | None = None  # per chip: the bytes it cannot avoid moving (the sampler's: its
     # weights, the filled KV cache it reads and the KV it writes)
+    per_step: bool = False  # a decode loop: its launches are counted per step (`plan/launches.py`)
 
 
 @dataclasses.dataclass
@@ -233,7 +234,8 @@ def _sampler_programs(c, model_cfg, layout: Layout, replica) -> list[Program]:
         flops = forward_flops(model_cfg, 1, filled, platform, packed=False, logits=True) * rows / ways
         return Program(name, lower("decode", rows), shape, rows,
                        {"layers": Loop(model_cfg.num_layers, whole=True), "cache": _cache_trips(model_cfg, filled)},
-                       param_bytes, 0, resident, flops, must_bytes=param_bytes + cache_bytes * rows * filled / (B * W))
+                       param_bytes, 0, resident, flops, must_bytes=param_bytes + cache_bytes * rows * filled / (B * W),
+                       per_step=True)
 
     active, half = -(-3 * B // 4), W // 2
     prefill_loops = {"layers": Loop(model_cfg.num_layers)}

@@ -45,7 +45,8 @@ def header(plan: Plan) -> list[str]:
 
 
 COLUMNS = ("program", "shape", "params", "optim", "inputs", "outputs", "temps", "code", "resident", "total",
-           "fits", "compile s", "FLOPs/chip", "analytic", "HBM B/chip", "must move", "x", "est. s", "tokens/s")
+           "fits", "compile s", "FLOPs/chip", "analytic", "HBM B/chip", "must move", "x", "est. s", "tokens/s",
+           "kernels", "/layer", "host syncs")
 
 
 def rows(plan: Plan) -> list[tuple[str, ...]]:
@@ -61,7 +62,10 @@ def rows(plan: Plan) -> list[tuple[str, ...]]:
                     _si(r.hbm_bytes, "") + cost_mark, _si(r.must_bytes, ""),
                     "-" if r.bytes_ratio is None else f"{r.bytes_ratio:.2f}",
                     "-" if r.est_s is None else f"{r.est_s:.3g}",
-                    "-" if r.tokens_per_s is None else f"{r.tokens_per_s:,.0f}"))
+                    "-" if r.tokens_per_s is None else f"{r.tokens_per_s:,.0f}",
+                    "-" if r.kernels is None else f"{r.kernels:,}",
+                    "-" if r.kernels_per_layer is None else f"{r.kernels_per_layer:.1f}",
+                    "-" if r.host_synced is None else str(r.host_synced)))
     return out
 
 
@@ -71,7 +75,8 @@ def table(plan: Plan) -> str:
     lines = header(plan) + ["memory in GiB per chip; fits (headroom GiB); must move: the bytes a sampler "
                             "program cannot avoid (its weights, the KV cache it reads and writes), x: HBM bytes "
                             "over that; estimates are rooflines: max(FLOPs / peak, HBM bytes / bandwidth), "
-                            "no communication; tokens/s per host for the sampler's programs"]
+                            "no communication; tokens/s per host for the sampler's programs; GPU: kernels launched per call "
+                            "(per step for decode) and host syncs: loops per call whose trip count the host reads"]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in body]
     for r in plan.results:
         if r.refused:

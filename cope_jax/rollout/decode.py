@@ -153,8 +153,9 @@ def decode_start(cache, next_input, rows, *, window: int, compact: bool):
     return _take(cache, next_input, rows, window, compact)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("run",))
-def decode_loop(graphdef, params, weights, run, until, knobs, step_limit, limit_code, eos_ids, stops, row_keys):
+@functools.partial(jax.jit, static_argnames=("graphdef", "draw"), donate_argnames=("run",))
+def decode_loop(graphdef, params, weights, run, until, knobs, step_limit, limit_code, eos_ids, stops, row_keys, *,
+                draw: str):
     """Continues a turn's single-token steps (one `lax.while_loop`) until step `until` or every row is done.
 
     run: the turn's progress, carried from call to call (`new_run`): step, done [R], code [R],
@@ -163,7 +164,8 @@ def decode_loop(graphdef, params, weights, run, until, knobs, step_limit, limit_
     Sampling folds the global step into each row's key, so the tokens do not depend on how the turn
     is split. knobs: dict of [R] arrays (temperature, top_k, top_p, greedy); step_limit [R]: the
     steps a row may take; limit_code [R]: the finish code when they run out (LENGTH or
-    CONTEXT_FULL); eos_ids [E] (-1 padded); stops [N, M] (see `stop_matched`); row_keys [R] PRNG keys.
+    CONTEXT_FULL); eos_ids [E] (-1 padded); stops [N, M] (see `stop_matched`); row_keys [R] PRNG keys;
+    draw: what the knobs need of `sample_tokens` (`sampling.draw_of`), so a step branches on nothing.
     """
     model = nnx.merge(graphdef, params)
 
@@ -175,7 +177,8 @@ def decode_loop(graphdef, params, weights, run, until, knobs, step_limit, limit_
         h, new_cache = model.decode(s["next_input"][:, None], active.astype(jnp.int32), s["cache"], weights)
         logits = model.unembed(h[:, 0], decode_layout=weights is not None)
         # a row's randomness depends only on (its key, step): not on which other rows run
-        tok = sample_tokens(logits, lambda: jax.vmap(lambda k: jax.random.fold_in(k, s["step"]))(row_keys), **knobs)
+        tok = sample_tokens(logits, lambda: jax.vmap(lambda k: jax.random.fold_in(k, s["step"]))(row_keys), **knobs,
+                            draw=draw)
         lp = token_logprobs(logits, tok, knobs["temperature"], knobs["greedy"])
         n = s["n"] + active
         tail = jnp.where(active[:, None], jnp.concatenate([s["tail"][:, 1:], tok[:, None]], 1), s["tail"])

@@ -33,6 +33,7 @@ from cope_jax.rollout.decode import (CONTEXT_FULL, FINISH_REASONS, IDLE_ROW_KNOB
                              abstract_window, bucket, decode_end, decode_loop, decode_start, eos_array, new_run,
                              power_buckets, prefill, report_finished, row_buckets, row_keys, stop_array,
                              unrolled_weights)
+from cope_jax.rollout.sampling import draw_of
 from models import sharding as shd
 from models.qwen import CACHE_AXES, KVCache
 
@@ -225,6 +226,7 @@ class Sampler:
         lay = self._layout(rows)
         steps = bucket(max(1, int(step_limit.max())), power_buckets(16, self.max_len))
         window = bucket(max(1, int((state.cached[rows] + step_limit).max())), self.windows)
+        draw = draw_of(**knobs)
         knobs = {k: lay(v, IDLE_ROW_KNOBS[k]) for k, v in knobs.items()}
         reported = step_limit <= 0  # rows with no room left end at once
         if on_finish is not None:
@@ -240,7 +242,7 @@ class Sampler:
                 if until >= steps:
                     raise RuntimeError("decode loop ended with rows still running")  # step_limit <= steps
                 until = min(until + chunk, steps)
-                run = decode_loop(graphdef, params, weights, run, np.int32(until), *args)
+                run = decode_loop(graphdef, params, weights, run, np.int32(until), *args, draw=draw)
                 report_finished(run, lay.index, reported, on_finish)
         finally:  # the cache holds what was decoded, even if a callback raised
             state.cache, state.next_input = decode_end(state.cache, state.next_input, run["cache"], run["next_input"],
@@ -324,7 +326,8 @@ class Sampler:
             np.full(n, LENGTH), eos_array(self.eos_ids), self._stop_array(()),
             self._row_keys(0, rows, needed=True), window=window, steps=steps, start=abstract_window)
         return {"prefill": prefill.lower(*args, **static),
-                "decode": decode_loop.lower(graphdef, params, weights, run, np.int32(steps), *call_args)}
+                "decode": decode_loop.lower(graphdef, params, weights, run, np.int32(steps), *call_args,
+                                            draw=draw_of(**knobs))}
 
     def _params(self):
         """(graphdef, params, unrolled weights or None), re-making the unrolled copy only when the

@@ -1,6 +1,7 @@
 """Choosing the next token from logits, row by row: greedy, temperature, top-k, top-p.
 
-Every knob is a per-row array, so one compiled decode loop serves any mix of settings. Pure
+Every knob is a per-row array, so one compiled decode loop serves any mix of settings; what the
+mix needs (greedy only, sampling, filtering: `draw_of`) is read on the host and compiled in. Pure
 functions on arrays; the sampler calls them once per decode step.
 
 Semantics (transformers' `generate` order): logits / temperature, then top-k (keep the k highest,
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _NEG_INF = -jnp.inf
 _BLOCK = 128  # `categorical` sums the probabilities in blocks of this many tokens
@@ -86,27 +88,42 @@ def filter_cutoff(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.
     return jnp.take_along_axis(desc, (n_keep - 1)[:, None], axis=-1)[:, 0]
 
 
+DRAWS = ("greedy", "sample", "filter")  # what a call's rows need of `sample_tokens`, fixed per call
+
+
+def draw_of(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, greedy: np.ndarray) -> str:
+    """The draw a call's knobs ([n] host arrays) need: 'greedy' (every row), 'sample' (no row
+    filters) or 'filter' (some row's top-k / top-p is on). The host knows the knobs before the call,
+    so the choice is a static argument of the program rather than a branch on the device (a GPU
+    reads a branch's predicate back to the host at every step)."""
+    greedy = np.asarray(greedy) | (np.asarray(temperature) <= 0)
+    if greedy.all():
+        return "greedy"
+    filtering = ~greedy & ((np.asarray(top_k) > 0) | (np.asarray(top_p) < 1.0))
+    return "filter" if filtering.any() else "sample"
+
+
 def sample_tokens(logits: jax.Array, keys, temperature: jax.Array, top_k: jax.Array,
-                  top_p: jax.Array, greedy: jax.Array) -> jax.Array:
+                  top_p: jax.Array, greedy: jax.Array, draw: str = "filter") -> jax.Array:
     """Next token per row: logits [R, V] float32, knobs [R] -> [R] int32.
 
     keys: [R] typed PRNG keys, or a function returning them (derived only when some row samples).
+    draw: one of DRAWS (`draw_of` the knobs); 'filter' serves any knobs, the others skip the random
+    draw ('greedy') or the sort over the vocabulary ('sample') that their knobs do not need.
     """
+    if draw not in DRAWS:
+        raise ValueError(f"unknown draw {draw!r}; expected one of {DRAWS}")
     greedy = greedy | (temperature <= 0)
     best = argmax(logits)
-
-    def draw():
-        row_keys = keys() if callable(keys) else keys
-        scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+    if draw == "greedy":
+        return best
+    row_keys = keys() if callable(keys) else keys
+    scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+    if draw == "filter":
         filtering = ~greedy & (((top_k > 0) & (top_k < logits.shape[-1])) | (top_p < 1.0))
-        cutoff = jax.lax.cond(jnp.any(filtering),
-                              lambda: jnp.where(filtering, filter_cutoff(scaled, top_k, top_p), _NEG_INF),
-                              lambda: jnp.full(scaled.shape[:1], _NEG_INF, scaled.dtype))
+        cutoff = jnp.where(filtering, filter_cutoff(scaled, top_k, top_p), _NEG_INF)
         scaled = jnp.where(scaled >= cutoff[:, None], scaled, _NEG_INF)
-        return jnp.where(greedy, best, categorical(scaled, row_keys))
-
-    # all-greedy steps (evaluation, benchmarks) skip the random draw and the sort entirely
-    return jax.lax.cond(jnp.all(greedy), lambda: best, draw)
+    return jnp.where(greedy, best, categorical(scaled, row_keys))
 
 
 def stop_matched(tail: jax.Array, stops: jax.Array) -> jax.Array:

@@ -322,6 +322,43 @@ def test_the_cache_loop_equals_dense_over_the_filled_slots(T, block):
     np.testing.assert_allclose(got[used], want[used], atol=1e-5, rtol=0)
 
 
+def _decode_case(seed, B, S, H, K, D, L=3):
+    """A decode step's q [B, 1, H, D] over a stacked cache of L layers, rows at different fills
+    (the third appends nothing: its output is unused)."""
+    ks = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(ks[0], (B, 1, H, D))
+    k, v = (jax.random.normal(key, (L, B, S, K, D)) for key in ks[1:])
+    filled = np.array([40, S, 0, 170, 1, 65, 128, 7][:B])
+    ids = attn.CacheIds(jnp.asarray(np.maximum(filled - 1, 0)[:, None], jnp.int32), jnp.asarray(filled, jnp.int32))
+    return q, (k, v), ids, filled > 0
+
+
+@pytest.mark.parametrize("B,S,H,K", [(4, 256, 7, 1), (2, 1024, 4, 2), (8, 256, 8, 4)])
+def test_the_gpu_decode_kernel_equals_the_cache_loop(B, S, H, K):
+    """Pallas interpret mode, a traced layer of a stacked cache, key splits (a split past a row's
+    fill does nothing, one holds the row's last slot), query groups padded to Triton's 16 rows:
+    every row that appends a token gets the cache loop's output."""
+    q, kv, ids, used = _decode_case(B + K, B, S, H, K, 64)
+    want = np.asarray(attn.cache_loop(q, kv, 1, ids, block=64)[0])
+    got = np.asarray(jax.jit(lambda q, kv, layer: attn.gpu_decode(q, kv, layer, ids, interpret=True))(
+        q, kv, jnp.int32(1)))
+    assert got.shape == q.shape
+    np.testing.assert_allclose(got[used], want[used], atol=1e-5, rtol=0)
+
+
+def test_the_gpu_decode_kernel_sharded_over_eight_devices_equals_one():
+    """Rows over fsdp, KV heads over tp where they divide: each device decodes its rows and heads
+    of the cache where it lies."""
+    mesh = models.make_mesh((1, 2, 4))
+    q, kv, ids, used = _decode_case(5, 8, 256, 8, 4, 64)
+    want = np.asarray(attn.gpu_decode(q, kv, 2, ids, interpret=True))
+    kv = tuple(jax.device_put(a, shd.named_sharding(attn.CACHE_AXES, a.shape, mesh)) for a in kv)
+    assert kv[0].addressable_shards[0].data.shape == (3, 4, 256, 1, 64)
+    with jax.set_mesh(mesh):
+        got = np.asarray(jax.jit(lambda q, kv: attn.gpu_decode(q, kv, 2, ids, mesh=mesh, interpret=True))(q, kv))
+    np.testing.assert_allclose(got[used], want[used], atol=1e-5, rtol=0)
+
+
 def test_the_cache_loop_reads_only_the_longest_rows_blocks():
     """The loop's trip count is the longest row's filled blocks: a row at 100 slots of a 4,096-slot
     window runs one block (the body counted once by the compiler), and changing the blocks past it

@@ -260,6 +260,13 @@ def test_a_one_gpu_host_and_an_ironwood_slice_are_planned(topology):
     records = _records(out)
     assert records[-1]["fits"] and [r["program"] for r in records[:-1]][:2] == ["train_step", "logprobs"]
     assert records[-1]["chips"] == (1 if topology == "1xH100" else 8)
+    by_name = {r["program"]: r for r in records[:-1]}
+    if topology == "1xH100":  # the GPU compiler's launches: a decode step steers nothing from the host
+        assert all(r["kernels"] > 0 and r["kernels_per_layer"] > 0 for r in by_name.values())
+        assert by_name["decode"]["host_synced"] == by_name["decode@fill"]["host_synced"] == 0
+        assert by_name["decode"]["kernels_per_layer"] < 50
+    else:
+        assert all(r["kernels"] is None and r["host_synced"] is None for r in by_name.values())
 
 
 def test_gpu_target_compiles_and_the_planner_checks_its_memory():

@@ -179,6 +179,30 @@ def test_top_k_top_p_temperature_sample_the_filtered_distribution():
         assert scipy.stats.chisquare(counts[keep], expected[keep] * R).pvalue > 1e-3
 
 
+def test_the_draw_a_call_compiles_in_gives_the_tokens_of_the_general_one():
+    """`draw_of` reads what the knobs need on the host; 'greedy' and 'sample' (no branch on the
+    device) draw exactly the tokens of 'filter' (which serves any knobs) for knobs they cover."""
+    from cope_jax.rollout.sampling import draw_of
+
+    R, V = 64, 300
+    logits = jnp.asarray(np.random.RandomState(3).randn(R, V).astype(np.float32) * 2)
+    keys = jax.random.split(jax.random.key(4), R)
+    draw = jax.jit(sample_tokens, static_argnames="draw")
+    mixed = dict(temperature=np.where(np.arange(R) % 3 == 0, 0.0, 0.8).astype(np.float32),
+                 top_k=np.zeros(R, np.int32), top_p=np.ones(R, np.float32), greedy=np.arange(R) % 5 == 0)
+    greedy = dict(mixed, greedy=np.ones(R, bool))
+    filtered = dict(mixed, top_p=np.where(np.arange(R) == 7, 0.9, 1.0).astype(np.float32))
+    assert [draw_of(**k) for k in (mixed, greedy, filtered)] == ["sample", "greedy", "filter"]
+    assert draw_of(**dict(mixed, temperature=np.zeros(R, np.float32))) == "greedy"
+    for knobs in (mixed, greedy):
+        np.testing.assert_array_equal(np.asarray(draw(logits, keys, **knobs, draw=draw_of(**knobs))),
+                                      np.asarray(draw(logits, keys, **knobs, draw="filter")))
+    sampled = np.asarray(draw(logits, keys, **mixed, draw="sample"))
+    assert (sampled != np.asarray(draw(logits, keys, **mixed, draw="greedy"))).any()  # the test can fail
+    with pytest.raises(ValueError, match="unknown draw"):
+        sample_tokens(logits, keys, **mixed, draw="nucleus")
+
+
 @pytest.mark.parametrize("V, top_k", [(1000, 0), (1000, 7), (300, 130)])
 def test_categorical_draws_follow_the_softmax_across_blocks(V, top_k):
     """The two-level inverse CDF over vocabularies of several blocks (not a multiple of the block),

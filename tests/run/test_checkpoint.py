@@ -193,3 +193,23 @@ def test_restore_onto_other_meshes(tmp_path):
                 assert up.addressable_shards[0].data.shape == (2, 32 // 8, 64)
             assert _bits(restored) == _bits(state)
 
+
+
+def test_closed_loop_noise_is_dropped_however_threads_interleave_it():
+    """A failed restore's stray 'Event loop is closed' tracebacks, interleaved line by line by
+    TensorStore's threads (as captured in CI), leave only the lines that are not theirs."""
+    from models.orbax_io import drop_closed_loop_noise
+
+    base = '  File "/usr/lib/python3.11/asyncio/base_events.py", line {}, in {}\n'
+    noise = ("Traceback (most recent call last):\n" + base.format(806, "call_soon_threadsafe")
+             + "Traceback (most recent call last):\n" + "    self._check_closed()\n"
+             + base.format(519, "_check_closed") + "  self._check_closed()\n"
+             + "    raise RuntimeError('Event loop is closed')\n" + base.format(519, "_check_closed")
+             + "RuntimeError: Event loop is closed\n" + "    raise RuntimeError('Event loop is closed')\n"
+             + "RuntimeError: Event loop is closed\n")
+    genuine = "W1207 orbax: a warning of its own\n"
+    assert drop_closed_loop_noise(noise) == ""
+    assert drop_closed_loop_noise(noise[:noise.index('Traceback', 10)] + genuine + noise[noise.index('Traceback', 10):]) == genuine
+    # without the closed loop, a traceback is someone's real error and stays whole
+    real = "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\nValueError: bad\n"
+    assert drop_closed_loop_noise(real) == real
