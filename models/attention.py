@@ -11,15 +11,18 @@ Which key a query may see is computed from per-token ids (`MaskIds`), never pass
   keys come after queries in the same order, so pairs above the diagonal are never visited (half
   the FLOPs of dense at long T). Any backend: it is plain XLA (matmuls per block).
 - `pallas`: blockwise with its forward as one Pallas kernel, `models/attention_tpu.py` (Mosaic) on
-  TPU, `models/attention_gpu.py` (Triton) on GPU: a pair's scores never reach HBM. Same backward as
-  blockwise. On CPU the TPU kernel runs in Pallas interpret mode (exact, slow: for tests).
+  TPU, `models/attention_gpu.py` (Triton) on GPU: a pair's scores never reach HBM. On GPU the
+  backward is kernels too (a dK / dV pass and a dQ pass); on TPU it is blockwise's XLA loop. On CPU
+  the TPU kernel runs in Pallas interpret mode (exact, slow: for tests).
 - `auto`: dense where one block holds every score (short rows); otherwise pallas on TPU and GPU where
   the kernel takes the blocks, blockwise elsewhere. Logged once per shape.
 
 Over the sampler's KV cache (`cached`) the mask is only "slot <= position", and a row's filled
 slots end at its length, so attention is bounded by the rows' lengths: key blocks past the longest
-row's are never read. A decode step (one query per row) and, off the kernels, a prefill chunk run
-one online-softmax loop over the filled key blocks, its trip count known only at run time; a
+row's are never read. On GPU a decode step (one query per row) runs the decode kernel
+(`attention_gpu.decode`: each row reads its own filled tiles, and a loop whose trip count the host
+had to read at every layer is gone); elsewhere a decode step and, off the kernels, a prefill chunk
+run one online-softmax loop over the filled key blocks, its trip count known only at run time; a
 prefill chunk on TPU / GPU runs the kernel. XLA has no ragged loop, so within a call a row shorter
 than the longest reads the blocks up to the longest (masked): the sampler gathers the rows of a call
 where it can, so idle rows are not among them (`cope_jax/rollout/decode.py`).
@@ -316,12 +319,37 @@ def _forward(blocks: Blocks, kernel: Kernel | None, packed: bool, q, k, v, queri
     mesh = kernel.mesh
     if mesh is None or mesh.size == 1:
         return forward(q, k, v, queries, keys)
-    # rows over the batch axes, heads over tp by KV head where it divides, else by query group
-    qs = shd.logical_to_spec(("batch", None, "kv_heads", "q_heads", None), q.shape, mesh)
-    ks = P(qs[0], None, qs[2], None)
-    ids = P(qs[0], None)
+    qs, ks, ids = _kernel_specs(q.shape, mesh)
     return jax.shard_map(forward, mesh=mesh, in_specs=(qs, ks, ks, (ids,) * 4, (ids,) * 4),
                          out_specs=(qs, P(*qs[:4])), check_vma=False)(q, k, v, queries, keys)
+
+
+def _kernel_specs(shape, mesh: Mesh) -> tuple[P, P, P]:
+    """How a kernel's inputs split over devices: (q [B, Tp, K, G, D], k / v, ids). Rows over the
+    batch axes, heads over tp by KV head where it divides them, else by query group (each device
+    then holds every KV head)."""
+    qs = shd.logical_to_spec(("batch", None, "kv_heads", "q_heads", None), shape, mesh)
+    return qs, P(qs[0], None, qs[2], None), P(qs[0], None)
+
+
+def _gpu_backward(kernel: Kernel, packed: bool, q, k, v, queries, keys, d_out, lse, delta):
+    """`attention_gpu.backward`, per device under the kernel's mesh. Split by query group, a
+    device's dK / dV are its groups' share: summed over the devices of that split."""
+    backward = functools.partial(attention_gpu.backward, packed=packed, interpret=kernel.interpret)
+    mesh = kernel.mesh
+    if mesh is None or mesh.size == 1:
+        return backward(q, k, v, queries, keys, d_out, lse, delta)
+    qs, ks, ids = _kernel_specs(q.shape, mesh)
+    stat = P(*qs[:4])
+
+    def run(*args):
+        dq, dk, dv = backward(*args)
+        if qs[3] is not None:
+            dk, dv = (jax.lax.psum(x.astype(jnp.float32), qs[3]).astype(x.dtype) for x in (dk, dv))
+        return dq, dk, dv
+
+    return jax.shard_map(run, mesh=mesh, in_specs=(qs, ks, ks, (ids,) * 4, (ids,) * 4, qs, stat, stat),
+                         out_specs=(qs, ks, ks), check_vma=False)(q, k, v, queries, keys, d_out, lse, delta)
 
 
 def _flash_forward(blocks: Blocks, q, k, v, queries, keys):
@@ -403,11 +431,22 @@ def _flash_fwd(blocks, kernel, packed, q, k, v, queries, keys):
 
 
 def _flash_bwd(blocks: Blocks, kernel: Kernel | None, packed: bool, residuals, d_out):
-    """FlashAttention-2's backward: each pair's probabilities recomputed from the saved log-sum-exp."""
+    """FlashAttention-2's backward: each pair's probabilities recomputed from the saved log-sum-exp.
+    The GPU kernel's two passes (`attention_gpu.backward`) under the GPU kernel, else an XLA loop
+    over the pairs."""
     q, k, v, queries, keys, out, lse = residuals
-    scale = q.shape[-1] ** -0.5
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, Tp, K, G]
+    if kernel is not None and kernel.platform == "gpu":
+        grads = _gpu_backward(kernel, packed, q, k, v, queries, keys, d_out, lse, delta)
+    else:
+        grads = _xla_backward(blocks, q, k, v, queries, keys, d_out, lse, delta)
+    no_grad = jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), (queries, keys))
+    return (*grads, *no_grad)
 
+
+def _xla_backward(blocks: Blocks, q, k, v, queries, keys, d_out, lse, delta):
+    """-> (dq, dk, dv): one `loops.fori` over the pairs, every block's product an XLA matmul."""
+    scale = q.shape[-1] ** -0.5
     pairs = jnp.asarray(blocks.pairs, jnp.int32)
 
     def body(n, carry):
@@ -426,8 +465,7 @@ def _flash_bwd(blocks: Blocks, kernel: Kernel | None, packed: bool, residuals, d
 
     init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     dq, dk, dv = loops.fori("attention", len(blocks.pairs), body, init)
-    no_grad = jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), (queries, keys))
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), *no_grad)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

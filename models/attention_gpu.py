@@ -1,4 +1,6 @@
-"""The blockwise forward as a Pallas GPU (Triton) kernel: one program per (row, head, query tile).
+"""Attention's Pallas GPU (Triton) kernels: the blockwise forward (one program per (row, head,
+query tile)), its backward (`backward`: a dK / dV pass and a dQ pass) and a decode step over the KV
+cache (`decode`: flash-decoding, the keys split so few rows still fill the GPU).
 
 The GPU twin of `models/attention_tpu.py`: the same online softmax and the same mask, evaluated per
 tile from the ids (`MaskIds`), so packed rows and forecasting branches run in the kernel. Triton has
@@ -6,7 +8,7 @@ no tiling constraints, so the kernel reads q, k, v and writes the output in the 
 ([B, T, H, D], [B, S, K, D]: no transposes) and the ids as plain [4, B, T] rows. Each program keeps
 its query tile in registers and loops over key tiles up to its last query's (for packed rows the
 diagonal, over a cache the row's filled slots).
-`models/attention.py` owns the padding and the backward.
+`models/attention.py` owns the padding and the custom VJP that calls `backward`.
 
 Off GPU it runs in Pallas interpret mode: exact and slow, for the tests.
 """
@@ -91,6 +93,105 @@ def _kernel(q_ids, k_ids, q_ref, k_ref, v_ref, out_ref, lse_ref, *, scale, nk):
     seen = l > 0
     out_ref[...] = (acc / jnp.where(seen, l, 1.0)[:, None]).astype(out_ref.dtype)
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
+
+
+# -- backward: FlashAttention-2's two passes ---------------------------------------------------------
+def backward(q, k, v, queries, keys, d_out, lse, delta, *, packed: bool, interpret: bool):
+    """The gradients of `forward`: q / d_out [B, Tp, K, G, D], k / v [B, Sp, K, D], ids as `forward`
+    takes them, lse and delta (rowsum(d_out * out)) [B, Tp, K, G] float32 -> (dq, dk, dv) in the
+    dtypes of q, k, v.
+
+    Two kernels, so neither accumulates across programs: one per (row, KV head, key tile) holds its
+    K / V tile and sums dK / dV over the query tiles that see it and the group's query heads; one
+    per (row, head, query tile) holds its queries and sums dQ over the key tiles they see. Packed
+    rows visit only the tiles on and below the diagonal. Each pair's probabilities are recomputed
+    from the saved log-sum-exp."""
+    B, Tp, K, G, D = q.shape
+    Sp, H = k.shape[1], K * G
+    nq, nk = Tp // TILE, Sp // TILE
+    rows = lambda x: x.reshape(B, Tp, H, D)  # noqa: E731
+    per_head = lambda x: x.reshape(B, Tp, H).transpose(0, 2, 1)  # [B, H, Tp]: a tile's rows contiguous  # noqa: E731
+    q_ids, k_ids = jnp.stack(queries), jnp.stack(keys)
+    params = plt.CompilerParams(num_warps=4 if D <= 64 else 8, num_stages=2)
+    kv_tile = pl.BlockSpec((None, TILE, None, D), lambda b, h, j: (b, j, h, 0))
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkdv_kernel, scale=D ** -0.5, groups=G, nq=nq, packed=packed),
+        grid=(B, K, nk),
+        in_specs=[pl.BlockSpec((4, None, Tp), lambda b, h, j: (0, b, 0)),
+                  pl.BlockSpec((4, None, TILE), lambda b, h, j: (0, b, j)),
+                  pl.BlockSpec((None, Tp, H, D), lambda b, h, j: (b, 0, 0, 0)), kv_tile, kv_tile,
+                  pl.BlockSpec((None, Tp, H, D), lambda b, h, j: (b, 0, 0, 0)),
+                  pl.BlockSpec((None, H, Tp), lambda b, h, j: (b, 0, 0)),
+                  pl.BlockSpec((None, H, Tp), lambda b, h, j: (b, 0, 0))],
+        out_specs=[kv_tile, kv_tile],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        compiler_params=params, interpret=interpret,
+    )(q_ids, k_ids, rows(q), k, v, rows(d_out), per_head(lse), per_head(delta))
+    q_tile = pl.BlockSpec((None, TILE, None, D), lambda b, h, i: (b, i, h, 0))
+    kv_row = pl.BlockSpec((None, Sp, None, D), lambda b, h, i: (b, 0, h // G, 0))
+    stat = pl.BlockSpec((None, None, TILE), lambda b, h, i: (b, h, i))
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, scale=D ** -0.5, nk=nk, packed=packed),
+        grid=(B, H, nq),
+        in_specs=[pl.BlockSpec((4, None, TILE), lambda b, h, i: (0, b, i)),
+                  pl.BlockSpec((4, None, Sp), lambda b, h, i: (0, b, 0)),
+                  q_tile, kv_row, kv_row, q_tile, stat, stat],
+        out_specs=q_tile,
+        out_shape=jax.ShapeDtypeStruct((B, Tp, H, D), q.dtype),
+        compiler_params=params, interpret=interpret,
+    )(q_ids, k_ids, rows(q), k, v, rows(d_out), per_head(lse), per_head(delta))
+    return dq.reshape(q.shape), dk, dv
+
+
+def _probabilities(q, kt, q_ids, k_ids, lse, scale):
+    """A pair's probabilities [tq, tk] float32 from the saved log-sum-exp (0 where masked)."""
+    s = plt.dot(q, kt, trans_b=True).astype(jnp.float32) * scale
+    mask = mask_rule.allowed(q_ids, k_ids)
+    return jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)
+
+
+def _dkdv_kernel(q_ids, k_ids, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
+                 scale, groups, nq, packed):
+    h, j = pl.program_id(1), pl.program_id(2)
+    kt, vt = k_ref[...], v_ref[...]  # [TILE, D]
+    keys = tuple(k_ids[c, :][None, :] for c in range(4))
+    first = j if packed else 0  # packed: the query tiles before the key tile see none of it
+
+    def body(n, carry):
+        dk, dv = carry
+        # truncating division (n >= 0): Triton's lowering of the floor forms mixes types
+        i, head = first + jax.lax.div(n, groups), h * groups + jax.lax.rem(n, groups)
+        tile = pl.ds(i * TILE, TILE)
+        q, do = q_ref[tile, head, :], do_ref[tile, head, :]
+        p = _probabilities(q, kt, tuple(q_ids[c, tile][:, None] for c in range(4)), keys, lse_ref[head, tile], scale)
+        dv += plt.dot(p.astype(do.dtype), do, trans_a=True).astype(jnp.float32)
+        dp = plt.dot(do, vt, trans_b=True).astype(jnp.float32)
+        ds = (p * (dp - delta_ref[head, tile][:, None]) * scale).astype(q.dtype)
+        dk += plt.dot(ds, q, trans_a=True).astype(jnp.float32)
+        return dk, dv
+
+    zeros = jnp.zeros(kt.shape, jnp.float32)
+    dk, dv = jax.lax.fori_loop(0, (nq - first) * groups, body, (zeros, zeros))
+    dk_ref[...], dv_ref[...] = dk.astype(dk_ref.dtype), dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel(q_ids, k_ids, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, nk, packed):
+    i = pl.program_id(2)
+    q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
+    queries = tuple(q_ids[c, :][:, None] for c in range(4))
+
+    def body(j, dq):
+        tile = pl.ds(j * TILE, TILE)
+        kt = k_ref[tile, :]
+        p = _probabilities(q, kt, queries, tuple(k_ids[c, tile][None, :] for c in range(4)), lse, scale)
+        dp = plt.dot(do, v_ref[tile, :], trans_b=True).astype(jnp.float32)
+        ds = (p * (dp - delta[:, None]) * scale).astype(q.dtype)
+        return dq + plt.dot(ds, kt).astype(jnp.float32)
+
+    # as the forward: no key tile after the tile's last query is seen (packed: the diagonal)
+    last = i + 1 if packed else jnp.minimum(jnp.max(q_ids[1, :]) // TILE + 1, nk)
+    dq = jax.lax.fori_loop(0, last, body, jnp.zeros(q.shape, jnp.float32))
+    dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
 # -- decode: one query per row over the KV cache ------------------------------------------------------

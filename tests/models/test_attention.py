@@ -90,6 +90,24 @@ def test_blocked_implementations_equal_dense_on_packed_rows(heads, kv_heads, hea
         np.testing.assert_allclose(g, w, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (7, 1, 128)])
+def test_the_gpu_backward_kernels_equal_blockwise_on_packed_rows_with_a_tree(heads, kv_heads, head_dim):
+    """The GPU kernel's own backward (dK / dV and dQ passes, interpret mode) against blockwise's XLA
+    backward: segments, a forecasting tree, padding, GQA; all three gradients within 1e-5."""
+    T, block = 300, 128
+    ids = _batch(heads + 1, T=T)
+    q, k, v = _qkv(heads + 1, 2, T, T, heads, kv_heads, head_dim)
+    gpu = _blocked("pallas-gpu", block)
+    grad_fn = jax.grad(lambda q, k, v: jnp.sum(gpu(q, k, v, ids)), argnums=(0, 1, 2))
+    assert str(jax.make_jaxpr(grad_fn)(q, k, v)).count("pallas_call") == 3  # forward, dK / dV, dQ
+    want, want_g = _value_and_grads(lambda q, k, v: attn.blockwise(q, k, v, ids, block=block), q, k, v)
+    got, got_g = _value_and_grads(lambda q, k, v: gpu(q, k, v, ids), q, k, v)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    for g, w in zip(got_g, want_g):
+        assert np.abs(w).max() > 0.1
+        np.testing.assert_allclose(g, w, atol=1e-5, rtol=0)
+
+
 def test_the_tree_mask_is_the_trunk_prefix_rule():
     """The rule itself, on a hand-written tree: branch tokens see the trunk before their first
     position and their own branch; the trunk never sees a branch."""
@@ -283,7 +301,11 @@ def test_the_kernel_compiles_for_its_accelerator(topology, call):
         per_device = rows * (H // 2) * pairs * 512 * 512 * D * 4  # q.k and p.v of every pair
         assert per_device <= cost["flops"] < 1.1 * per_device
     grads = jax.jit(jax.grad(lambda *a: jnp.sum(forward(*a).astype(jnp.float32)), argnums=(0, 1, 2)))
-    grads.lower(*qkv, ids, ids, ids).compile()
+    lowered = grads.lower(*qkv, ids, ids, ids)
+    # the GPU backward is two kernels of its own (dK / dV, dQ) beside the forward; the TPU's is XLA
+    kernels = lowered.as_text().count(call)
+    assert kernels == (3 if call == "triton" else 1), kernels
+    lowered.compile()
 
 
 def test_the_attention_bench_puts_blockwise_next_to_dense():
