@@ -2,7 +2,8 @@
 
 One command for a borrowed accelerator: it detects the backend, runs each section at the sizes the
 backend takes (`--size=auto`: full on TPU / GPU, tiny on CPU, where it is part of the test suite so
-it never rots) and writes `<out>/accept.jsonl` (one line per check, written as it is measured, so a
+it never rots; `--size=quick`: every section in about 8 minutes of one GPU, which
+`launch/gpu/accept.sh run` gives it with the packages the machine lacks carried as wheels) and writes `<out>/accept.jsonl` (one line per check, written as it is measured, so a
 run cut short keeps what it measured) and `<out>/accept.md` (the table:
 measured, predicted, ratio). It exits 0 even when a check falls short: the table says which.
 
@@ -45,8 +46,9 @@ from models.config import ConfigError
 # train first: on CPU its peak is the process's resident memory, which pages freed by an earlier
 # section would hide
 flags.DEFINE_list("sections", list(SECTIONS), f"Sections to run, from {SECTIONS}.")
-flags.DEFINE_enum("size", "auto", ["auto", "tiny", "full"], "Shapes: full (accelerators), tiny (CPU, "
-                  "minutes), auto: full on TPU / GPU, tiny on CPU.")
+flags.DEFINE_enum("size", "auto", ["auto", "tiny", "quick", "full"], "Shapes: full (accelerators), quick "
+                  "(accelerators, every section inside about 8 minutes: attention at 16k tokens only, half the "
+                  "decode steps), tiny (CPU, minutes), auto: full on TPU / GPU, tiny on CPU.")
 flags.DEFINE_string("out", "runs/accept", "Directory for accept.jsonl and accept.md.")
 flags.DEFINE_integer("repeats", 3, "Timed calls after a warm-up one; the best is reported.")
 flags.DEFINE_string("topology", None, "Also plan the train step for this launch.plan target (e.g. 1xH100, "

@@ -22,6 +22,7 @@ SIZES = {"tiny": (dict(family="qwen2", vocab_size=512, hidden_size=128, intermed
                        num_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1e6,
                        tie_word_embeddings=True, qkv_bias=True, qk_norm=False), (1, 8), 512, 192, 1 << 26),
          "full": ("Qwen2.5-7B-Instruct", (1, 8, 64), 4096, 64, 1 << 32)}
+SIZES["quick"] = SIZES["full"][:3] + (32,) + SIZES["full"][4:]  # half the decode steps
 WITHIN = 2.0  # a decode step within twice the bytes bound, a prefill within twice the FLOPs bound
 
 

@@ -9,6 +9,7 @@ from tests.paths import ROOT
 
 REPO = ROOT
 TPU, GPU = os.path.join(REPO, "launch/tpu/pod.sh"), os.path.join(REPO, "launch/gpu/run.sh")
+ACCEPT = os.path.join(REPO, "launch/gpu/accept.sh")
 FLAGS = ["--config=configs/sciworld.py:cope", "--workdir=/mnt/runs/sci cope", "--config.mesh=(1,-1,1)"]
 
 
@@ -16,7 +17,7 @@ def _run(*args):
     return subprocess.run(["bash", *args], capture_output=True, text=True, timeout=30)
 
 
-@pytest.mark.parametrize("script", [TPU, GPU])
+@pytest.mark.parametrize("script", [TPU, GPU, ACCEPT])
 def test_scripts_parse(script):
     assert _run("-n", script).returncode == 0
 
@@ -24,7 +25,7 @@ def test_scripts_parse(script):
 @pytest.mark.parametrize("args", [(TPU,), (TPU, "bogus"), (TPU, "create", "pod"), (TPU, "train", "pod", "zone"),
                                   (TPU, "train", "pod", "zone", "--"), (GPU,), (GPU, "train", "--num_hosts=2", "--", "x"),
                                   (GPU, "train", "--coordinator=h:1", "--num_hosts=2", "--host_id=2", "--", "x"),
-                                  (GPU, "train", "--config=x")])
+                                  (GPU, "train", "--config=x"), (ACCEPT,), (ACCEPT, "bogus"), (ACCEPT, "wheels", "x")])
 def test_wrong_arguments_print_usage(args):
     out = _run(*args)
     assert out.returncode == 2 and out.stdout == "" and "--dry-run" in out.stderr
@@ -65,3 +66,25 @@ def test_accelerator_requirements_pin_the_same_jax():
         assert f"jax[{extra}]=={version}" in lines and "-r requirements.txt" in lines
     assert f"jax-cuda12-pjrt=={version}" in open(os.path.join(REPO, "requirements-gpu-compiler.txt")).read().split("\n")
     assert "-r requirements-tpu.txt" in open(os.path.join(REPO, "requirements-dev.txt")).read().split("\n")
+
+
+def test_gpu_accept_carries_the_pinned_packages_the_image_lacks_and_runs_the_quick_size():
+    """`wheels` downloads exactly requirements.txt's pins (and two pinned needs of grain) for the
+    image's Python; `run` installs them from .whl alone and runs every section at the quick size,
+    and refuses at once without wheels."""
+    out = _run(ACCEPT, "--dry-run", "wheels")
+    assert out.returncode == 0, out.stderr
+    argv = shlex.split(out.stdout)
+    assert argv[:4] == ["python3", "-m", "pip", "download"] and "--python-version" in argv and "3.12" in argv
+    pins = set(open(os.path.join(REPO, "requirements.txt")).read().split())
+    specs = argv[argv.index(".whl") + 1:]
+    assert {"grain==0.2.18", "tensorboardX==2.6.5"} <= set(specs) and "array-record==0.8.6" in specs
+    assert all(s in pins for s in specs if not s.startswith(("array-record", "portpicker"))), specs
+    out = _run(ACCEPT, "--dry-run", "run", "--out=/tmp/a")
+    install, accept = (shlex.split(line) for line in out.stdout.splitlines())
+    assert "--no-index" in install and install[-1] == ".whl/*.whl"
+    assert accept == ["python3", "-m", "launch.accept", "--size=quick", "--out=/tmp/a"]
+    out = subprocess.run(["bash", ACCEPT, "run"], capture_output=True, text=True, timeout=30,
+                         cwd=os.path.join(REPO, "launch"))
+    if not os.path.isdir(os.path.join(REPO, ".whl")):
+        assert out.returncode == 2 and "accept.sh wheels" in out.stderr
