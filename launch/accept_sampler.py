@@ -64,7 +64,7 @@ def _batch(model, cfg, name, batch, window, steps, bandwidth, flops, repeats) ->
     from cope_jax.rollout.sampler import Sampler
 
     half = window // 2
-    sampler = Sampler(model, batch_size=batch, max_len=window, eos_ids=[], unroll_layers=False)
+    sampler = Sampler(model, batch_size=batch, max_len=window, eos_ids=[])
     prompts = np.random.RandomState(batch).randint(0, cfg.vocab_size, (batch, half))
     state = sampler.init_state()
 

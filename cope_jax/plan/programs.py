@@ -211,8 +211,7 @@ def _sampler_programs(c, model_cfg, layout: Layout, replica) -> list[Program]:
         replica = qwen.abstract_placed_model(model_cfg, mesh)
     eos = model_cfg.eos_token_id
     sampler = Sampler(replica, batch_size=run_config.sampler_rows(c, layout.hosts), max_len=int(c.rollout.max_len),
-                      eos_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
-                      unroll_layers=False)
+                      eos_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos))
     # the policy's parameters are the sampler's arguments where it reads them, else resident too
     resident = (layout.optimizer_bytes + layout.reference_bytes
                 + (layout.params_bytes if layout.replica_bytes else 0))

@@ -1,5 +1,7 @@
 """`plan/launches.py`: kernels and host-synced loops read from programs compiled for an H100 on this
 host, on toy programs whose loops are known by construction."""
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -55,3 +57,46 @@ def test_a_branch_on_the_device_is_a_host_sync():
 def test_a_program_without_a_step_loop_is_refused_per_step():
     with pytest.raises(ValueError, match="one step loop"):
         launches.count(_compiled_for_h100(jnp.sin, ((8,), jnp.float32)), per_step=True)
+
+
+def _weight_copies(hlo_text: str, shapes: set[tuple[int, ...]]) -> list[str]:
+    """The launched slice fusions whose output is one layer's slice of a stacked weight."""
+    copies = []
+    for line in hlo_text.splitlines():
+        m = re.match(r"\s+%(\S*slice\S*) = \w+\[([\d,]+)\]\S* fusion\(", line)
+        if m and tuple(int(d) for d in m.group(2).split(",")) in shapes:
+            copies.append(m.group(1))
+    return copies
+
+
+def test_the_gpu_decode_step_reads_the_weights_in_place_and_steers_nothing_from_the_host():
+    """The sampler's decode program for an H100, a scanned 4-layer model: the layers run on the
+    sampler's per-layer copy (made once per update), so no launched op copies a layer's weights out
+    of the stacked arrays (XLA:GPU made a dynamic-slice fusion per projection and step), the cache
+    is read by the decode kernel, and no loop or branch of the step waits on the host."""
+    import models
+    from cope_jax.rollout.sampler import Sampler
+    from models import qwen
+    from models.config import QwenConfig
+
+    cfg = QwenConfig(family="qwen2", vocab_size=512, hidden_size=256, intermediate_size=640, num_layers=4,
+                     num_heads=4, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e6,
+                     tie_word_embeddings=True, qkv_bias=True, qk_norm=False, dtype="bfloat16",
+                     param_dtype="bfloat16", scan_layers=True)
+    mesh = models.make_mesh((1, 1, 1), devices=targets.devices(targets.get_target("1xH100"))[:1])
+    weights = {(1, *s[1:]) for n, s in qwen.param_shapes(cfg).items() if n.startswith("layers/") and len(s) > 2}
+
+    def decode_text(**kw):
+        sampler = Sampler(qwen.abstract_placed_model(cfg, mesh), batch_size=4, max_len=256, eos_ids=[], **kw)
+        return sampler, sampler.lower(16)["decode"].compile().as_text()
+
+    sampler, text = decode_text()
+    assert sampler.unroll
+    counted = launches.count(text, per_step=True)
+    assert counted.host_synced == 0, counted.synced_by
+    assert "__gpu$xla.gpu.triton" in text  # the decode kernel
+    assert _weight_copies(text, weights) == []
+    # the same step on the stacked weights copies every projection of every layer (the test can fail)
+    stacked = decode_text(unroll_layers=False)[1]
+    assert len(_weight_copies(stacked, weights)) >= 5
+    assert launches.count(stacked, per_step=True).kernels > counted.kernels
