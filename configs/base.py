@@ -87,6 +87,10 @@ def base_config(method: str = "cope") -> ml_collections.ConfigDict:
         # af_group_norm: forecasting weight 1/max(1,|S_x|) (False: 1, the paper's ablation)
         echo_coef=0.01, rft_coef=1.0, skip_invalid=False, skip_no_call=False, af_group_norm=True,
         progpo_scale=0.3, logprob_chunk=2048,
+        # the sampler / trainer log-prob mismatch corrected per token in the policy term
+        # (docs/training.md): 'none', 'tis' (importance weights capped at high) or 'mis' (tokens whose
+        # weight leaves [low, high] masked)
+        rollout_correction="none", rollout_correction_low=0.5, rollout_correction_high=2.0,
         norm_length=0,  # agg_mode seq-mean-token-sum-norm's constant horizon; 0: rollout.max_len
         # loss terms whose own gradient norm every step reports (grad_norm_<term>): one more forward
         # and backward pass each (one fewer when they are all the loss's terms: the last is the total

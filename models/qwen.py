@@ -131,14 +131,12 @@ class KVCache:
     def zeros(cls, cfg: QwenConfig, batch: int, max_len: int, dtype=None, mesh=None) -> "KVCache":
         dtype = jnp.dtype(dtype or cfg.dtype)
         shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-        # k and v are distinct buffers so a jitted update can donate both
-        k, v = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
-        lengths = jnp.zeros((batch,), jnp.int32)
-        if mesh is not None:
-            s = shd.named_sharding(CACHE_AXES, shape, mesh)
-            k, v = jax.device_put(k, s), jax.device_put(v, s)
-            lengths = jax.device_put(lengths, shd.named_sharding(("batch",), (batch,), mesh))
-        return cls(k=k, v=v, lengths=lengths)
+        # made on their shardings (no whole cache on one device first); k and v are distinct
+        # buffers so a jitted update can donate both
+        kv = None if mesh is None else shd.named_sharding(CACHE_AXES, shape, mesh)
+        rows = None if mesh is None else shd.named_sharding(("batch",), (batch,), mesh)
+        return cls(k=jnp.zeros(shape, dtype, device=kv), v=jnp.zeros(shape, dtype, device=kv),
+                   lengths=jnp.zeros((batch,), jnp.int32, device=rows))
 
     @property
     def max_len(self) -> int:

@@ -16,6 +16,7 @@ before t)); shapes are any common shape, typically [rows, L].
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -138,14 +139,47 @@ def weighted_nll(logp, weight, name: str):
     return loss, {f"{name}_loss": loss, f"{name}_tokens": jnp.sum((weight > 0).astype(jnp.float32))}
 
 
+# -- rollout correction -----------------------------------------------------------------------------
+ROLLOUT_CORRECTIONS = ("none", "tis", "mis")
+
+
+def rollout_correction(old_logp, sampler_logp, weight, *, mode: str, low: float, high: float):
+    """Token-level importance correction for the sampler / trainer mismatch: the sampler drew each
+    token under its own log-prob (`sampler_logp`, bf16, other kernels), the objective scores it
+    under `old_logp`, so w = exp(old_logp - sampler_logp) [rows, L] reweighs it (stop-gradient).
+
+    mode 'tis' (truncated IS): factor min(w, high); 'mis' (masked IS): factor 1 where
+    low <= w <= high, else 0 (the token drops out); 'none': 1.
+    -> (factor [rows, L] float32, metrics): `rollout_corrected`, the tokens (weight > 0) capped or
+    masked, and `rollout_is_sum`, the sum of their w (its mean over the sampled tokens is ~1 when
+    the two agree).
+    """
+    if mode not in ROLLOUT_CORRECTIONS:
+        raise ValueError(f"unknown rollout correction {mode!r}; expected one of {ROLLOUT_CORRECTIONS}")
+    sampled = weight > 0
+    w = jax.lax.stop_gradient(jnp.exp(jnp.clip(old_logp - sampler_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)))
+    if mode == "tis":
+        factor, corrected = jnp.minimum(w, high), w > high
+    elif mode == "mis":
+        kept = (w >= low) & (w <= high)
+        factor, corrected = kept.astype(jnp.float32), ~kept
+    else:
+        factor, corrected = jnp.ones_like(w), jnp.zeros_like(sampled)
+    return factor, {"rollout_corrected": jnp.sum((corrected & sampled).astype(jnp.float32)),
+                    "rollout_is_sum": jnp.sum(jnp.where(sampled, w, 0.0))}
+
+
 # -- metrics ----------------------------------------------------------------------------------------
 RATIOS = {  # finished metric -> (numerator, denominator) of additive sums
     "pg_clip_frac": ("pg_clipped", "pg_tokens"),
     "pg_clip_frac_dual": ("pg_clipped_dual", "pg_tokens"),
     "ppo_kl": ("ppo_kl_sum", "pg_tokens"),
     "sampler_drift_mean": ("sampler_drift_sum", "sampler_drift_tokens"),
+    "rollout_corrected_frac": ("rollout_corrected", "sampler_drift_tokens"),
+    "rollout_is_mean": ("rollout_is_sum", "sampler_drift_tokens"),
 }
-_PARTS = {"pg_clipped", "pg_clipped_dual", "ppo_kl_sum", "sampler_drift_sum", "sampler_drift_tokens"}
+_PARTS = {"pg_clipped", "pg_clipped_dual", "ppo_kl_sum", "sampler_drift_sum", "sampler_drift_tokens",
+          "rollout_corrected", "rollout_is_sum"}
 
 
 def accumulate_metrics(sums: dict, metrics: dict) -> dict:

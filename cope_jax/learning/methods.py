@@ -94,7 +94,7 @@ TERMS: dict[str, Term] = {t.name: t for t in [
          lambda logp, ent, w, b, cfg: losses.clipped_policy_loss(
              logp, b.old_logp, b.advantage, w, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
              dual_clip=cfg.dual_clip),
-         lambda cfg: 1.0, ("pg_", "ppo_kl", "sampler_drift"), frozenset({"old_logp"})),
+         lambda cfg: 1.0, ("pg_", "ppo_kl", "sampler_drift", "rollout_"), frozenset({"old_logp"})),
     Term("kl", "action", _sequence_weights,
          lambda logp, ent, w, b, cfg: losses.low_var_kl(logp, b.ref_logp, w),
          lambda cfg: cfg.kl_coef, ("kl",), frozenset({"ref_logp"})),
@@ -218,6 +218,12 @@ class LossConfig:
     # terms whose own gradient norm each step reports (`grad_norm_<term>`, before clipping): one more
     # forward and backward pass each over the micro-batches holding its tokens, so only when asked
     grad_norm_terms: tuple[str, ...] = ()
+    # the sampler / trainer mismatch corrected per token in the terms that read old_logp
+    # (`losses.rollout_correction`): 'none', 'tis' (weights capped at high) or 'mis' (tokens outside
+    # [low, high] masked)
+    rollout_correction: str = "none"
+    rollout_correction_low: float = 0.5
+    rollout_correction_high: float = 2.0
 
     def __post_init__(self):
         if self.aggregation not in losses.AGGREGATIONS:
@@ -230,6 +236,12 @@ class LossConfig:
             raise ValueError(f"unknown af_mode {self.af_mode!r}; expected one of {AF_MODES}")
         if self.temperature <= 0:
             raise ValueError("temperature must be > 0")
+        if self.rollout_correction not in losses.ROLLOUT_CORRECTIONS:
+            raise ValueError(f"unknown rollout_correction {self.rollout_correction!r}; "
+                             f"expected one of {losses.ROLLOUT_CORRECTIONS}")
+        if not 0 <= self.rollout_correction_low <= 1 <= self.rollout_correction_high:
+            raise ValueError(f"rollout correction band [{self.rollout_correction_low}, "
+                             f"{self.rollout_correction_high}] must hold 1 (0 <= low <= 1 <= high)")
         if self.logits_chunk_tokens is not None and self.logits_chunk_tokens < 1:
             raise ValueError("logits_chunk_tokens must be >= 1")
         object.__setattr__(self, "grad_norm_terms", ordered(self.grad_norm_terms))
@@ -254,4 +266,6 @@ class LossConfig:
         defaults, so configs that differ in host-side weighting or coefficients share executables."""
         return LossConfig(clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip,
                           temperature=self.temperature, logits_chunk_tokens=self.logits_chunk_tokens,
-                          grad_norm_terms=self.grad_norm_terms)
+                          grad_norm_terms=self.grad_norm_terms, rollout_correction=self.rollout_correction,
+                          rollout_correction_low=self.rollout_correction_low,
+                          rollout_correction_high=self.rollout_correction_high)

@@ -109,15 +109,22 @@ def micro_loss(model, batch: PackedBatch, coefs: dict, cfg: LossConfig, *, on_po
     logp, ent = model_logprobs(model, batch, cfg, with_entropy=with_entropy, mesh=mesh)
     if on_policy:
         batch = batch.replace(old_logp=jax.lax.stop_gradient(logp))
+    uses_old = needing(coefs, "old_logp")
+    sampled = sum(batch.weights[t] for t in uses_old) if uses_old else None  # before any correction
+    corrected = {}
+    if uses_old and cfg.rollout_correction != "none":
+        factor, corrected = losses.rollout_correction(
+            batch.old_logp, batch.sampler_logp, sampled, mode=cfg.rollout_correction,
+            low=cfg.rollout_correction_low, high=cfg.rollout_correction_high)
+        batch = batch.replace(weights={t: w * factor if t in uses_old else w for t, w in batch.weights.items()})
     total = jnp.zeros((), jnp.float32)
     metrics = {}
     for term in ordered(coefs):
         value, m = TERMS[term].loss(logp, ent, batch.weights[term], batch, cfg)
         total = total + coefs[term] * value
         metrics.update(m)
-    uses_old = needing(coefs, "old_logp")
     if uses_old:
-        metrics.update(_drift_sums(batch.sampler_logp, batch.old_logp, sum(batch.weights[t] for t in uses_old)))
+        metrics.update(_drift_sums(batch.sampler_logp, batch.old_logp, sampled), **corrected)
     metrics["loss"] = total
     metrics["tokens"] = jnp.sum((batch.segment_ids > 0).astype(jnp.float32))
     return total, metrics

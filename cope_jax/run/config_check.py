@@ -15,6 +15,7 @@ from typing import Any
 import ml_collections
 
 from configs.base import base_config
+from cope_jax.learning.losses import ROLLOUT_CORRECTIONS
 from cope_jax.learning.methods import AF_MODES
 from cope_jax.rollout.chat import STYLES
 from cope_jax.run import run_config
@@ -87,6 +88,8 @@ RULES: dict[str, Range | OneOf] = {
     "train.af_coef": NONNEG, "train.af_mode": OneOf(AF_MODES), "train.horizon": Range(-1),
     "train.echo_coef": NONNEG, "train.rft_coef": NONNEG, "train.progpo_scale": NONNEG,
     "train.logprob_chunk": COUNT, "train.norm_length": SIZE,
+    "train.rollout_correction": OneOf(ROLLOUT_CORRECTIONS), "train.rollout_correction_low": FRACTION,
+    "train.rollout_correction_high": Range(1, whole=False),
     "warmstart.steps": SIZE, "warmstart.learning_rate": NONNEG, "warmstart.batch_episodes": COUNT,
     "warmstart.tasks": SIZE, "warmstart.af_examples": SIZE,
     "warmstart.lr_schedule": OneOf(run_config.WARMSTART_SCHEDULES),

@@ -35,7 +35,9 @@ def loss_config(c: ml_collections.ConfigDict) -> LossConfig:
         entropy_coef=t.entropy_coef, temperature=c.rollout.temperature, aggregation=t.agg_mode,
         af_coef=t.af_coef, af_normalization=t.af_norm, af_mode=t.af_mode, rft_coef=t.rft_coef,
         echo_coef=t.echo_coef, progpo_scale=t.progpo_scale, logits_chunk_tokens=t.logprob_chunk,
-        norm_length=int(t.norm_length) or int(c.rollout.max_len), grad_norm_terms=tuple(t.grad_norm_terms))
+        norm_length=int(t.norm_length) or int(c.rollout.max_len), grad_norm_terms=tuple(t.grad_norm_terms),
+        rollout_correction=t.rollout_correction, rollout_correction_low=t.rollout_correction_low,
+        rollout_correction_high=t.rollout_correction_high)
 
 
 def optimizer_config(c: ml_collections.ConfigDict) -> OptimizerConfig:
