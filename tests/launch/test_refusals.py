@@ -57,6 +57,8 @@ def _binary(module, *args, cwd):
     (["--config=CONFIGS/demo.py", "--workdir=run", "--config.model.remat=some"], "config.model.remat='some': expected one of"),
     (["--config=CONFIGS/demo.py", "--workdir=run", "--config.model.attention_block=7"],
      "config.model.attention_block=7: expected a multiple of 8 >= 8"),
+    (["--config=CONFIGS/demo.py", "--workdir=run", "--config.train.rollout_correction=is"],
+     "config.train.rollout_correction='is': expected one of 'none', 'tis', 'mis'"),
     (["--config=CONFIGS/demo.py", "--workdir=run", "--config.env.eval_split=dev"], "env.eval_split='dev': unknown split"),
 ])
 def test_train_refuses_in_one_line_and_writes_nothing(tmp_path, args, message):
