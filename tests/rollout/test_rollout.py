@@ -145,10 +145,13 @@ def test_actions_reach_the_environment_while_longer_turns_decode(setup):
             submits.append(recorder.in_generate)
             pool.submit_step(episode, action)
 
+    # lockstep: every call holds every live episode, so the order its turns end in is the sampled
+    # lengths' alone (with asynchronous results a loaded host can split the calls into single rows)
     runner = RolloutRunner(recorder, Watched(), "builtin", FAMILY, chat,
-                           RolloutConfig(max_rounds=3, max_turn_tokens=8, stream_every=1))
+                           RolloutConfig(max_rounds=3, max_turn_tokens=8, stream_every=1, sync=True))
     trajs, stats = runner.run([(t, 0) for t in FAMILY.task_ids("train")[:4]], jax.random.key(1))
     assert stats.env_steps == len(submits) > 0
+    assert max(len(call.tokens) for call in recorder.calls) == 2  # the pool's two environments
     reordered = 0
     for call, order in zip(recorder.calls, recorder.handed):
         lengths = [len(t) for t in call.tokens]
