@@ -91,6 +91,10 @@ def base_config(method: str = "cope") -> ml_collections.ConfigDict:
         # (docs/training.md): 'none', 'tis' (importance weights capped at high) or 'mis' (tokens whose
         # weight leaves [low, high] masked)
         rollout_correction="none", rollout_correction_low=0.5, rollout_correction_high=2.0,
+        # groups whose advantages are all zero (every episode of the task succeeded, or every one
+        # failed): 'keep' them, 'mask' them out of the policy terms, or 'filter' them out of the
+        # batch, which more rollout rounds of new tasks then refill (at most refill_rounds rounds)
+        zero_variance="keep", refill_rounds=2,
         norm_length=0,  # agg_mode seq-mean-token-sum-norm's constant horizon; 0: rollout.max_len
         # loss terms whose own gradient norm every step reports (grad_norm_<term>): one more forward
         # and backward pass each (one fewer when they are all the loss's terms: the last is the total

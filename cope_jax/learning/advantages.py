@@ -118,6 +118,17 @@ def groups_with_success(success, group_ids) -> int:
     return len(successful_groups(success, group_ids))
 
 
+def flat_groups(advantages, group_ids) -> set[int]:
+    """The groups whose every advantage is zero: the policy term learns nothing from them (GRPO: all
+    rewards equal, every episode of the task succeeded or every one failed)."""
+    a = _check(advantages, group_ids, "advantages")
+    g = np.asarray(group_ids)
+    return {int(x) for x in np.unique(g)} - {int(x) for x in g[np.abs(a) > FLAT]}
+
+
+FLAT = 1e-8  # |advantage| at or below this is no signal
+
+
 # A train batch's trajectories: the host side's first step (`batching.build_minibatches`)
 
 def rewards(trajectories) -> np.ndarray:

@@ -120,6 +120,10 @@ def build_minibatches(trajectories: Sequence[Trajectory], examples: Sequence[For
         advantages, stats = np.asarray(advantages, np.float32), {}
     groups = [t.group_id for t in trajectories]
     succeeded = adv_lib.successful_groups(adv_lib.rewards(trajectories), groups)
+    masked = set()
+    if cfg.zero_variance == "mask":  # 'filter' left them out of the batch before
+        masked = adv_lib.flat_groups(advantages, groups)
+        stats["zero_variance_groups"] = float(len(masked))
 
     def normalizer(groups_in) -> int:  # the AF normalizer of a mini-batch's groups (losses)
         return len(set(groups_in)) if cfg.af_normalization == "paper_exact" else len(succeeded & set(groups_in))
@@ -133,7 +137,7 @@ def build_minibatches(trajectories: Sequence[Trajectory], examples: Sequence[For
                if t.group_id in members and (spec.trajectories == "all" or t.success)]
         exs = [e for e in examples if e.group_id in members] if joint else []
         mb = _minibatch(trajectories, idx, advantages, exs, step_terms, cfg, normalizer(members), members,
-                        row_len, rows_per_micro, drop_empty=True)
+                        row_len, rows_per_micro, drop_empty=True, masked=masked)
         if mb is not None:
             out.append(mb)
     if not joint and examples:
@@ -148,9 +152,10 @@ def build_minibatches(trajectories: Sequence[Trajectory], examples: Sequence[For
 
 
 def _minibatch(trajectories, idx: list[int], advantages, examples, terms, cfg: LossConfig, num_groups: int,
-               groups, row_len: int, rows_per_micro: int, drop_empty: bool) -> MiniBatch | None:
+               groups, row_len: int, rows_per_micro: int, drop_empty: bool,
+               masked: set[int] = frozenset()) -> MiniBatch | None:
     """Steps 2-4 for one mini-batch: trajectories `idx` and `examples` -> its MiniBatch (None where
-    `drop_empty` and no token carries a loss weight)."""
+    `drop_empty` and no token carries a loss weight). `masked`: groups the policy terms skip."""
     trajs = [trajectories[i] for i in idx]
     # 2. segments: the trajectories, then their forecasting examples (on their rows where they fit)
     segs = seg_lib.sequence_segments([t.tokens for t in trajs], [t.action_mask for t in trajs], advantages[idx],
@@ -159,7 +164,7 @@ def _minibatch(trajectories, idx: list[int], advantages, examples, terms, cfg: L
     new, branches = seg_lib.example_segments(examples, row_len, first_index=len(trajs),
                                              trunks=dict(zip(idx, segs))) if examples else ([], [])
     # 3. per-term weights, over the tokens the segments keep
-    weight_lib.sequence_weights(segs, terms, cfg)
+    weight_lib.sequence_weights(segs, terms, cfg, masked=[t.group_id in masked for t in trajs] if masked else None)
     if examples:
         weight_lib.example_weights(branches, examples, terms, cfg, num_groups)
     segs += new

@@ -59,6 +59,8 @@ class Term:
     coefficient(cfg) -> float: sign and scale in the minimized objective; 0 switches the term off.
     metrics: prefixes of the metrics the loss reports (shown only while the term is in use).
     needs: inputs besides logp: 'old_logp', 'ref_logp' (a forward pass each), 'entropy'.
+    policy: the policy term or one of its regularizers (KL, entropy): `zero_variance='mask'` takes
+        the sequences of groups without signal out of these terms (imitation and forecasting keep them).
     """
 
     name: str
@@ -68,6 +70,7 @@ class Term:
     coefficient: Callable
     metrics: tuple[str, ...]
     needs: frozenset = frozenset()
+    policy: bool = False  # part of the RL objective on sampled actions (masked on flat groups)
 
     def __post_init__(self):
         if self.tokens not in TOKEN_KINDS:
@@ -94,13 +97,13 @@ TERMS: dict[str, Term] = {t.name: t for t in [
          lambda logp, ent, w, b, cfg: losses.clipped_policy_loss(
              logp, b.old_logp, b.advantage, w, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
              dual_clip=cfg.dual_clip),
-         lambda cfg: 1.0, ("pg_", "ppo_kl", "sampler_drift", "rollout_"), frozenset({"old_logp"})),
+         lambda cfg: 1.0, ("pg_", "ppo_kl", "sampler_drift", "rollout_"), frozenset({"old_logp"}), policy=True),
     Term("kl", "action", _sequence_weights,
          lambda logp, ent, w, b, cfg: losses.low_var_kl(logp, b.ref_logp, w),
-         lambda cfg: cfg.kl_coef, ("kl",), frozenset({"ref_logp"})),
+         lambda cfg: cfg.kl_coef, ("kl",), frozenset({"ref_logp"}), policy=True),
     Term("entropy", "action", _sequence_weights,
          lambda logp, ent, w, b, cfg: losses.entropy_bonus(ent, w),
-         lambda cfg: -cfg.entropy_coef, ("entropy",), frozenset({"entropy"})),
+         lambda cfg: -cfg.entropy_coef, ("entropy",), frozenset({"entropy"}), policy=True),
     Term("af", "target", _forecast_weights,
          lambda logp, ent, w, b, cfg: losses.weighted_nll(logp, w, "af"),
          lambda cfg: cfg.af_coef, ("af_",)),
@@ -137,6 +140,7 @@ def reported(metric: str, terms) -> bool:
 ADVANTAGES = ("grpo", "progpo")
 FORECAST_KINDS = ("plan", "sft")
 AF_MODES = ("joint", "sequential")
+ZERO_VARIANCE = ("keep", "mask", "filter")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,6 +226,9 @@ class LossConfig:
     # (`losses.rollout_correction`): 'none', 'tis' (weights capped at high) or 'mis' (tokens outside
     # [low, high] masked)
     rollout_correction: str = "none"
+    # groups whose advantages are all zero (`advantages.flat_groups`): 'keep' them, 'mask' them out of
+    # the policy terms (host side), or 'filter' them out of the batch (the RL loop refills it)
+    zero_variance: str = "keep"
     rollout_correction_low: float = 0.5
     rollout_correction_high: float = 2.0
 
@@ -236,6 +243,8 @@ class LossConfig:
             raise ValueError(f"unknown af_mode {self.af_mode!r}; expected one of {AF_MODES}")
         if self.temperature <= 0:
             raise ValueError("temperature must be > 0")
+        if self.zero_variance not in ZERO_VARIANCE:
+            raise ValueError(f"unknown zero_variance {self.zero_variance!r}; expected one of {ZERO_VARIANCE}")
         if self.rollout_correction not in losses.ROLLOUT_CORRECTIONS:
             raise ValueError(f"unknown rollout_correction {self.rollout_correction!r}; "
                              f"expected one of {losses.ROLLOUT_CORRECTIONS}")

@@ -19,11 +19,16 @@ from cope_jax.rollout.trajectory import ForecastExample
 _MASKS = {"action": lambda s: s.action_mask, "observation": lambda s: s.obs_mask}
 
 
-def sequence_weights(segments: list[Segment], terms: Sequence[str], cfg: LossConfig) -> None:
-    """Adds the weights of `terms` that read action or observation tokens to `segments`."""
+def sequence_weights(segments: list[Segment], terms: Sequence[str], cfg: LossConfig,
+                     masked: Sequence[bool] | None = None) -> None:
+    """Adds the weights of `terms` that read action or observation tokens to `segments`. masked [S]:
+    sequences the policy terms (`Term.policy`) skip, their normalizers counting only the others."""
     for term in terms:
         if TERMS[term].tokens in _MASKS:
-            _add(segments, [_loss_mask(_MASKS[TERMS[term].tokens](s)) for s in segments], term, cfg)
+            masks = [_loss_mask(_MASKS[TERMS[term].tokens](s)) for s in segments]
+            if masked is not None and TERMS[term].policy:
+                masks = [m & (not off) for m, off in zip(masks, masked)]
+            _add(segments, masks, term, cfg)
 
 
 def example_weights(branches: list[Branch], examples: Sequence[ForecastExample], terms: Sequence[str],

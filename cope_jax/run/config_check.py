@@ -16,7 +16,7 @@ import ml_collections
 
 from configs.base import base_config
 from cope_jax.learning.losses import ROLLOUT_CORRECTIONS
-from cope_jax.learning.methods import AF_MODES
+from cope_jax.learning.methods import AF_MODES, ZERO_VARIANCE
 from cope_jax.rollout.chat import STYLES
 from cope_jax.run import run_config
 from envs.registry import FAMILIES
@@ -90,6 +90,7 @@ RULES: dict[str, Range | OneOf] = {
     "train.logprob_chunk": COUNT, "train.norm_length": SIZE,
     "train.rollout_correction": OneOf(ROLLOUT_CORRECTIONS), "train.rollout_correction_low": FRACTION,
     "train.rollout_correction_high": Range(1, whole=False),
+    "train.zero_variance": OneOf(ZERO_VARIANCE), "train.refill_rounds": SIZE,
     "warmstart.steps": SIZE, "warmstart.learning_rate": NONNEG, "warmstart.batch_episodes": COUNT,
     "warmstart.tasks": SIZE, "warmstart.af_examples": SIZE,
     "warmstart.lr_schedule": OneOf(run_config.WARMSTART_SCHEDULES),
@@ -128,11 +129,14 @@ def _cross_field(c: ml_collections.ConfigDict) -> None:
     if c.env.user.kind and not customer:
         raise ConfigError(f"env.user.kind={c.env.user.kind!r}: {c.env.family} has no simulated customer")
     try:  # the tables these read validate their own names (loss terms, advantage, aggregation)
-        run_config.method(c)
+        spec = run_config.method(c)
         run_config.loss_config(c)
         run_config.optimizer_config(c)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if c.train.zero_variance != "keep" and spec.advantage is None:
+        raise ConfigError(f"train.zero_variance={c.train.zero_variance!r}: method {c.method!r} has no group-relative "
+                          f"advantage, so no group is without signal (use 'keep')")
 
 
 def flat(c: ml_collections.ConfigDict | dict) -> dict[str, Any]:

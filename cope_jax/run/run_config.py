@@ -37,7 +37,7 @@ def loss_config(c: ml_collections.ConfigDict) -> LossConfig:
         echo_coef=t.echo_coef, progpo_scale=t.progpo_scale, logits_chunk_tokens=t.logprob_chunk,
         norm_length=int(t.norm_length) or int(c.rollout.max_len), grad_norm_terms=tuple(t.grad_norm_terms),
         rollout_correction=t.rollout_correction, rollout_correction_low=t.rollout_correction_low,
-        rollout_correction_high=t.rollout_correction_high)
+        rollout_correction_high=t.rollout_correction_high, zero_variance=t.zero_variance)
 
 
 def optimizer_config(c: ml_collections.ConfigDict) -> OptimizerConfig:

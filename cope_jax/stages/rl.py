@@ -16,6 +16,7 @@ from its workdir continues exactly; with `rollout.sync` the rollouts themselves 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -34,10 +35,12 @@ from cope_jax.run import faults as faults_lib
 from cope_jax.run import metrics as metrics_lib
 from cope_jax.run.build import CHECKPOINT_DIR, Components
 from cope_jax.run.checkpoint import TrainCheckpointer
+from cope_jax.learning.advantages import compute_advantages, flat_groups
 from cope_jax.learning.forecasting import build_examples
 from cope_jax.learning.methods import needing
 from cope_jax.run.progress import Bar, say
 from cope_jax.stages.evaluate import evaluate, evaluate_once
+from cope_jax.rollout.runner import RolloutStats
 from cope_jax.stages.loop import learn, rollout, runner, step_loop
 from cope_jax.learning.train_step import Learner
 
@@ -77,15 +80,19 @@ def train(parts: Components, progress: bool = True, resume: str = "latest") -> d
         next_plan = []
         if c.rollout.prefetch_resets and i + 1 < c.train.steps and not evaluates(i + 1):
             next_plan = _plan(c, i + 1, tasks.peek())
-        trajs, rstats = rollout(parts, train_runner, plan, jax.random.fold_in(base_key, i), next_plan)
-        trajs, faults = faults_lib.drop(trajs, parts.max_fault_fraction, what=f"step {i + 1}")
+        played, rstats = rollout(parts, train_runner, plan, jax.random.fold_in(base_key, i), next_plan)
+        played, faults = faults_lib.drop(played, parts.max_fault_fraction, what=f"step {i + 1}")
+        trajs, refill = played, {}
+        if c.train.zero_variance == "filter":
+            trajs, rstats, refill = _refilled(parts, train_runner, tasks, i, base_key, played, rstats)
         t1 = time.time()
         examples = build_examples(trajs, parts.chat, parts.forecast_cfg) if parts.forecast_cfg else []
         metrics, host, mbs = learn(parts, learner, parts.loss_cfg, parts.spec, trajs, examples,
                                    groups_per_minibatch=c.train.minibatch_tasks, ref_model=ref_model)
-        record = _step_record(trajs, metrics, host, examples, rstats, mbs, t1 - t0, time.time() - t1,
+        # success and score are the step's own tasks' (the refills drew ahead, and kept only some)
+        record = _step_record(played, metrics, host, examples, rstats, mbs, t1 - t0, time.time() - t1,
                               parts.family.overall)
-        return record | faults.record()
+        return record | faults.record() | refill
 
     def after(n: int) -> None:
         nonlocal summary
@@ -99,6 +106,39 @@ def train(parts: Components, progress: bool = True, resume: str = "latest") -> d
     ckpt.wait()
     ckpt.close()
     return summary
+
+
+def _refilled(parts: Components, train_runner, tasks: "_TaskBatches", i: int, base_key, played, rstats):
+    """`train.zero_variance='filter'`: step i's batch without its groups whose advantages are all
+    zero, refilled by rounds of the next tasks (round r plays what step i + r would have, under its
+    own key; the first is the batch whose resets were prefetched) until `rollout.tasks_per_step`
+    groups carry signal or `train.refill_rounds` rounds were played; the first tasks_per_step such
+    groups are kept. -> (trajectories, the rounds' rollout stats, the record's counts)."""
+    c = parts.config
+    kept, dropped = _with_signal(parts, played)
+    rounds, extra = [rstats], 0
+    while len({t.group_id for t in kept}) < c.rollout.tasks_per_step and len(rounds) <= c.train.refill_rounds:
+        r = len(rounds)
+        plan = _plan(c, i + r, tasks.take())
+        more, stats = rollout(parts, train_runner, plan, jax.random.fold_in(jax.random.fold_in(base_key, i), r))
+        more, _ = faults_lib.drop(more, parts.max_fault_fraction, what=f"step {i + 1}, refill {r}")
+        rounds.append(stats)
+        extra += len(plan)
+        got, flat = _with_signal(parts, more)
+        kept, dropped = kept + got, dropped + flat
+    groups = set(list(dict.fromkeys(t.group_id for t in kept))[:c.rollout.tasks_per_step])
+    total = RolloutStats(**{f.name: sum(getattr(s, f.name) for s in rounds) for f in dataclasses.fields(RolloutStats)})
+    return ([t for t in kept if t.group_id in groups], total,
+            {"zero_variance_groups": float(dropped), "refill_rollouts": float(extra)})
+
+
+def _with_signal(parts: Components, trajs) -> tuple[list, int]:
+    """(the trajectories of groups whose advantages are not all zero, how many groups were not)."""
+    if not trajs:
+        return [], 0
+    advantages, _ = compute_advantages(parts.spec, trajs, parts.loss_cfg)
+    flat = flat_groups(advantages, [t.group_id for t in trajs])
+    return [t for t in trajs if t.group_id not in flat], len(flat)
 
 
 def _plan(c, step: int, task_ids: list[int]) -> list[tuple[int, int]]:

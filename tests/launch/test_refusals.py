@@ -59,6 +59,8 @@ def _binary(module, *args, cwd):
      "config.model.attention_block=7: expected a multiple of 8 >= 8"),
     (["--config=CONFIGS/demo.py", "--workdir=run", "--config.train.rollout_correction=is"],
      "config.train.rollout_correction='is': expected one of 'none', 'tis', 'mis'"),
+    (["--config=CONFIGS/demo.py:rft", "--workdir=run", "--config.train.zero_variance=filter"],
+     "train.zero_variance='filter': method 'rft' has no group-relative advantage"),
     (["--config=CONFIGS/demo.py", "--workdir=run", "--config.env.eval_split=dev"], "env.eval_split='dev': unknown split"),
 ])
 def test_train_refuses_in_one_line_and_writes_nothing(tmp_path, args, message):

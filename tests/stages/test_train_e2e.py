@@ -89,6 +89,23 @@ def test_every_method_trains_two_steps(method, tmp_path, monkeypatch):
         assert {f: v["succ"] for f, v in again["families"].items()} == {f: v["succ"] for f, v in reused["families"].items()}
 
 
+def test_filtered_zero_variance_steps_refill_then_train_on_what_carries_signal(tmp_path):
+    """`train.zero_variance='filter'` through the trainer, prefetched resets on: a random tiny model
+    fails every episode, so each step drops its groups, plays its one refill round (the batch whose
+    resets were prefetched) and trains on nothing that lacks signal; both steps are logged."""
+    c = tiny_config("grpo")
+    c.train.update(zero_variance="filter", refill_rounds=1)
+    workdir = str(tmp_path / "filter")
+    train_run(c, workdir, progress=False)
+    train = [r for r in map(json.loads, open(os.path.join(workdir, "metrics.jsonl"))) if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    for r in train:
+        played = r["refill_rollouts"] / 4 + 1  # rounds of 2 tasks x 2 episodes
+        assert r["refill_rollouts"] in (0.0, 4.0) and r["zero_variance_groups"] <= 2 * played
+        if r["zero_variance_groups"] == 2 * played:  # nothing carried signal: no optimizer step
+            assert r["minibatches"] == 0
+
+
 def test_pool_gives_every_sampler_row_an_environment(tmp_path):
     """env.envs_per_worker=0 sizes the pool to the sampler (3 workers, 8 rows: 3 slots each)."""
     from cope_jax.run.build import build
