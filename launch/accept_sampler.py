@@ -64,7 +64,10 @@ def _batch(model, cfg, name, batch, window, steps, bandwidth, flops, repeats) ->
     from cope_jax.rollout.sampler import Sampler
 
     half = window // 2
-    sampler = Sampler(model, batch_size=batch, max_len=window, eos_ids=[])
+    # the layers on the sampler's own copy wherever XLA would copy them out of the stack each step
+    # (CPU, GPU: `Sampler`); a 7B and its copy fit one H100 with room for the cache
+    sampler = Sampler(model, batch_size=batch, max_len=window, eos_ids=[],
+                      unroll_layers=jax.default_backend() != "tpu")
     prompts = np.random.RandomState(batch).randint(0, cfg.vocab_size, (batch, half))
     state = sampler.init_state()
 

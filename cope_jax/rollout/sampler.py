@@ -38,8 +38,8 @@ from models import attention as attn
 from models import sharding as shd
 from models.qwen import CACHE_AXES, KVCache
 
-# where the sampler runs the layers on its own per-layer copy of the weights (`Sampler`'s docstring)
-UNROLLED_PLATFORMS = ("cpu", "gpu")
+# where the sampler runs the layers on its own per-layer copy of the weights by default (`Sampler`)
+UNROLLED_PLATFORMS = ("cpu",)
 
 
 @dataclasses.dataclass
@@ -83,14 +83,15 @@ class Sampler:
     (longer ones are prefilled in chunks). The model's parameters are read at every call, so an
     optimizer updating the model in place is seen by the next turn without re-building anything.
 
-    unroll_layers (default: on CPU and GPU, the platform of the model's mesh) runs the layers
-    unrolled on per-layer copies of the weights in the decode layout (`Qwen.layer_weights`), kept
-    until the model's parameters change. XLA:CPU and XLA:GPU would otherwise copy each layer's
-    weights out of the stacked arrays at every step (on GPU a dynamic-slice fusion per projection:
-    a 7B decode step wrote and read 13 GB more than the 15 GB it must read); the fused QKV and
-    gate-up matrices also launch fewer kernels, and XLA:CPU multiplies few rows faster by
-    [out, in] matrices. It costs a second copy of the layer weights; the TPU compiler reads the
-    stacked weights in place, so it is off there.
+    unroll_layers (default: on CPU, the platform of the model's mesh) runs the layers unrolled on
+    per-layer copies of the weights in the decode layout (`Qwen.layer_weights`), kept until the
+    model's parameters change (and dropped after each rollout). XLA:CPU and XLA:GPU would otherwise
+    copy each layer's weights out of the stacked arrays at every step (on GPU a dynamic-slice fusion
+    per projection: a 7B decode step writes and reads 13 GB more than the 15 GB it must read); the
+    fused QKV and gate-up matrices also launch fewer kernels, and XLA:CPU multiplies few rows faster
+    by [out, in] matrices. It costs a second copy of the layer weights for the rollout's length: on
+    a GPU with room for it, pass True (a 14B LoRA run on one H100 has none); the TPU compiler reads
+    the stacked weights in place.
     """
 
     def __init__(self, model, *, batch_size: int, max_len: int, eos_ids: Sequence[int] | None = None,
