@@ -4,10 +4,11 @@
 #
 #   launch/gpu/accept.sh [--dry-run] wheels            # here, with a registry: the missing packages'
 #                                                      # wheels into .whl/ (git-ignored; carry it)
-#   launch/gpu/accept.sh [--dry-run] run [FLAGS...]    # there: installs .whl/ into /tmp/site, then
+#   launch/gpu/accept.sh [--dry-run] run [FLAGS...]    # there: installs .whl/ into $SITE, then
 #                                                      # python -m launch.accept --size=quick FLAGS
 #
-# PYTHON_VERSION (default 3.12, the image's python3) picks the wheels' ABI. --size=quick runs every
+# PYTHON_VERSION (default 3.12, the image's python3) picks the wheels' ABI; SITE (default
+# $TMPDIR/cope-accept-site) is where they are installed. --size=quick runs every
 # section at accelerator shapes inside about 8 minutes (docs/benchmarks.md).
 set -euo pipefail
 # shellcheck source=launch/common.sh
@@ -50,8 +51,9 @@ case "$op" in
       echo "accept.sh: no wheels in .whl/: run 'launch/gpu/accept.sh wheels' where a registry is reachable and carry .whl" >&2
       exit 2
     fi
-    run python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+    site="${SITE:-${TMPDIR:-/tmp}/cope-accept-site}"
+    run python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
     run python3 -m launch.accept --size=quick "$@"
     ;;
   *) usage ;;
