@@ -63,6 +63,7 @@ def train(parts: Components, progress: bool = True, resume: str = "latest") -> d
     ckpt = TrainCheckpointer(os.path.join(parts.workdir, CHECKPOINT_DIR), keep=c.checkpoint.keep)
     start, base_key = _restore(parts, ckpt, learner, tasks, resume)
     train_runner = runner(parts, "train")
+    refill_rounds = int(c.train.refill_rounds)  # the cap of zero_variance='filter'
     bar = Bar(start, c.train.steps, enabled=progress and parts.is_main)
     summary: dict[str, Any] = {}
 
@@ -84,7 +85,8 @@ def train(parts: Components, progress: bool = True, resume: str = "latest") -> d
         played, faults = faults_lib.drop(played, parts.max_fault_fraction, what=f"step {i + 1}")
         trajs, refill = played, {}
         if c.train.zero_variance == "filter":
-            trajs, rstats, refill = _refilled(parts, train_runner, tasks, i, base_key, played, rstats)
+            trajs, rstats, refill = _refilled(parts, train_runner, tasks, i, base_key, played, rstats,
+                                              refill_rounds)
         t1 = time.time()
         examples = build_examples(trajs, parts.chat, parts.forecast_cfg) if parts.forecast_cfg else []
         metrics, host, mbs = learn(parts, learner, parts.loss_cfg, parts.spec, trajs, examples,
@@ -108,16 +110,17 @@ def train(parts: Components, progress: bool = True, resume: str = "latest") -> d
     return summary
 
 
-def _refilled(parts: Components, train_runner, tasks: "_TaskBatches", i: int, base_key, played, rstats):
+def _refilled(parts: Components, train_runner, tasks: "_TaskBatches", i: int, base_key, played, rstats,
+              refill_rounds: int):
     """`train.zero_variance='filter'`: step i's batch without its groups whose advantages are all
     zero, refilled by rounds of the next tasks (round r plays what step i + r would have, under its
     own key; the first is the batch whose resets were prefetched) until `rollout.tasks_per_step`
-    groups carry signal or `train.refill_rounds` rounds were played; the first tasks_per_step such
+    groups carry signal or `refill_rounds` rounds were played; the first tasks_per_step such
     groups are kept. -> (trajectories, the rounds' rollout stats, the record's counts)."""
     c = parts.config
     kept, dropped = _with_signal(parts, played)
     rounds, extra = [rstats], 0
-    while len({t.group_id for t in kept}) < c.rollout.tasks_per_step and len(rounds) <= c.train.refill_rounds:
+    while len({t.group_id for t in kept}) < c.rollout.tasks_per_step and len(rounds) <= refill_rounds:
         r = len(rounds)
         plan = _plan(c, i + r, tasks.take())
         more, stats = rollout(parts, train_runner, plan, jax.random.fold_in(jax.random.fold_in(base_key, i), r))

@@ -75,8 +75,7 @@ def _refill(monkeypatch, outcome, rounds_cap, tasks_per_step=2, group_size=2):
     group_size 0/1). -> (kept trajectories, record, rollout calls)."""
     import ml_collections
 
-    c = ml_collections.ConfigDict(dict(rollout=dict(tasks_per_step=tasks_per_step, group_size=group_size),
-                                       train=dict(refill_rounds=rounds_cap)))
+    c = ml_collections.ConfigDict(dict(rollout=dict(tasks_per_step=tasks_per_step, group_size=group_size)))
     calls = []
 
     def fake_rollout(parts, runner, plan, key, next_plan=(), on_progress=None):
@@ -93,7 +92,7 @@ def _refill(monkeypatch, outcome, rounds_cap, tasks_per_step=2, group_size=2):
     played = fake_rollout(parts, None, rl._plan(c, 0, [1, 2]), None)[0]
     calls.clear()
     kept, stats, record = rl._refilled(parts, None, _Tasks(), 0, __import__("jax").random.key(0), played,
-                                       RolloutStats(wall_s=1.0))
+                                       RolloutStats(wall_s=1.0), rounds_cap)
     return kept, stats, record, calls
 
 
