@@ -156,13 +156,16 @@ def save_orbax(model: qwen.Qwen, directory: str, *, dtype=None, carry_from: str 
 # longer, so the drain waits until standard error has been quiet for a while (bounded).
 _DRAIN_QUIET_SECONDS = 1.0
 _DRAIN_MAX_SECONDS = 15.0
-# The lines of one such traceback. Threads interleave them, so each line is dropped on its own.
-_NOISE_LINE = re.compile(r"Traceback \(most recent call last\):"
-                         r"|File \".*asyncio[/\\]base_events\.py\", line \d+, in \w+"
-                         r"|self\._check_closed\(\)"
-                         r"|self\._write_to_self\(\)"
-                         r"|raise RuntimeError\('Event loop is closed'\)"
-                         r"|RuntimeError: Event loop is closed")
+# The pieces one such traceback is written in. Threads interleave them mid-line ("RuntimeError: "
+# from one thread, a frame from another, then "Event loop is closed"), so a line is noise when
+# nothing but these pieces and blanks is left on it.
+_NOISE_PIECE = re.compile(r"Traceback \(most recent call last\):"
+                          r"|File \"[^\"\n]*asyncio[/\\]base_events\.py\", line \d+, in \w+"
+                          r"|self\._check_closed\(\)"
+                          r"|self\._write_to_self\(\)"
+                          r"|raise RuntimeError\('Event loop is closed'\)"
+                          r"|RuntimeError:"
+                          r"|Event loop is closed")
 
 
 def drop_closed_loop_noise(text: str) -> str:
@@ -170,7 +173,7 @@ def drop_closed_loop_noise(text: str) -> str:
     if "Event loop is closed" not in text:
         return text
     return "".join(line for line in text.splitlines(keepends=True)
-                   if not _NOISE_LINE.fullmatch(line.strip()))
+                   if _NOISE_PIECE.sub("", line).strip())
 
 
 def _drain(held) -> None:

@@ -209,6 +209,10 @@ def test_closed_loop_noise_is_dropped_however_threads_interleave_it():
              + "RuntimeError: Event loop is closed\n")
     genuine = "W1207 orbax: a warning of its own\n"
     assert drop_closed_loop_noise(noise) == ""
+    # pieces of two threads on one line, and a line cut mid-message (as CI captured them)
+    mid_line = ("self._check_closed()self._check_closed()\n\n"
+                "RuntimeError:     raise RuntimeError('Event loop is closed')\nEvent loop is closed\n")
+    assert drop_closed_loop_noise(mid_line + genuine + noise) == genuine
     assert drop_closed_loop_noise(noise[:noise.index('Traceback', 10)] + genuine + noise[noise.index('Traceback', 10):]) == genuine
     # without the closed loop, a traceback is someone's real error and stays whole
     real = "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\nValueError: bad\n"
