@@ -96,7 +96,7 @@ class CompileError(RuntimeError):
 def measure(program: Program, target: Target, *, cost: bool = True) -> Result:
     t0 = time.perf_counter()
     result = Result(program.name, program.shape, fits=False, compile_s=0.0, usable_bytes=target.usable_bytes,
-                    resident=program.resident_bytes, analytic_flops=program.analytic_flops)
+                    resident=program.resident_bytes, analytic_flops=program.analytic_flops, note=program.note)
     state = program.param_bytes + program.optimizer_bytes + program.resident_bytes
     if state > target.usable_bytes:
         result.params, result.optimizer, result.total = program.param_bytes, program.optimizer_bytes, state
@@ -149,7 +149,7 @@ def add_cost(result: Result, program: Program, target: Target) -> None:
     if counted is None:
         result.flops, result.hbm_bytes, result.cost_source = program.analytic_flops, program.must_bytes, "analytic"
         if target.platform == "tpu":
-            result.note = "a cost compile does not fit: analytic FLOPs"
+            result.note = "; ".join(filter(None, (result.note, "a cost compile does not fit: analytic FLOPs")))
     else:
         result.flops, result.hbm_bytes, result.cost_source = *counted, "compiler"
     result.must_bytes = program.must_bytes

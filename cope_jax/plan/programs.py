@@ -30,6 +30,7 @@ from cope_jax.run import replica as replica_lib
 from cope_jax.learning import train_step as ts
 from cope_jax.learning.logprobs import chunk_positions
 from cope_jax.learning.methods import get_method, needing
+from cope_jax.rollout.decode import bucket
 from cope_jax.rollout.sampler import Sampler
 import models
 from models import attention as attn
@@ -53,7 +54,7 @@ class Loop(NamedTuple):
     traced: bool = False  # its trip count is the data's (`loops.fori` on a traced count): `trips` is the planned one
 
 
-SAMPLER_PROGRAMS = ("prefill", "decode", "decode@fill")  # the rest are the trainer's
+SAMPLER_PROGRAMS = ("prefill", "prefill@group", "decode", "decode@fill")  # the rest are the trainer's
 
 
 @dataclasses.dataclass
@@ -70,6 +71,7 @@ class Program:
     must_bytes: float | None = None  # per chip: the bytes it cannot avoid moving (the sampler's: its
     # weights, the filled KV cache it reads and the KV it writes)
     per_step: bool = False  # a decode loop: its launches are counted per step (`plan/launches.py`)
+    note: str = ""  # a line for the report
 
 
 @dataclasses.dataclass
@@ -223,9 +225,11 @@ def _sampler_programs(c, model_cfg, layout: Layout, replica) -> list[Program]:
     cache_bytes = per_chip_bytes((cache.k, cache.v))
     platform = _platform(mesh)
 
+    group_size, prompt_len = int(c.rollout.group_size), int(c.rollout.max_prompt_len) or W
+
     def lower(name, rows=None):
         def run():  # each call traces afresh (the planner's unrolled variants)
-            return sampler.lower(steps, rows=rows)[name]
+            return sampler.lower(steps, rows=rows, group_size=group_size, prompt_len=prompt_len)[name]()
         return run
 
     def decode(name: str, rows: int, filled: int, shape: str) -> Program:
@@ -244,10 +248,32 @@ def _sampler_programs(c, model_cfg, layout: Layout, replica) -> list[Program]:
         Program("prefill", lower("prefill"), f"{B} x {chunk} into {W}", B * chunk, prefill_loops, param_bytes, 0,
                 resident, forward_flops(model_cfg, chunk, W, platform, packed=False, logits=False) * B * chunk / ways,
                 must_bytes=param_bytes + cache_bytes),  # the cache before the chunk read, the chunk written
+        _group_prefill(sampler, model_cfg, lower("prefill@group"), group_size, prompt_len, param_bytes,
+                       resident + cache_bytes, platform, mesh),
         decode("decode", B, W, f"{B} rows, window {W}"),
         # what a rollout mostly runs: rows half way through their window, a quarter of them idle
         decode("decode@fill", active, half, f"{active} of {B} rows at {half} of {W}"),
     ]
+
+
+def _group_prefill(sampler: Sampler, model_cfg, lower, group_size: int, prompt_len: int, param_bytes: int,
+                   resident: int, platform: str, mesh) -> Program:
+    """A first turn's prompt prefill: one row per group (the sampler's prompts' own state of
+    `prompt_len` slots; the rows' cache stays resident beside it), a chunk per call."""
+    B = sampler.batch_size
+    groups = bucket(-(-B // group_size), sampler.prompt_buckets)
+    slots = bucket(prompt_len, sampler.windows)
+    chunk = bucket(min(sampler.chunks[-1], slots), sampler.chunks)
+    own = sampler.abstract_state(groups, slots).cache
+    ways = _row_ways(groups, mesh) * _tp(mesh)
+    loops = {"layers": Loop(model_cfg.num_layers)}
+    if _chosen(model_cfg, chunk, slots, False, platform) != "pallas":
+        loops["cache"] = _cache_trips(model_cfg, slots, model_cfg.num_layers if model_cfg.scan_layers else 1)
+    per_row = forward_flops(model_cfg, chunk, slots, platform, packed=False, logits=False) * chunk
+    return Program("prefill@group", lower, f"{groups} x {chunk} into {slots}", groups * chunk, loops, param_bytes,
+                   0, resident, per_row * groups / ways, must_bytes=param_bytes + per_chip_bytes((own.k, own.v)),
+                   note=f"a first turn's prompts, one row per group of {group_size}: prefilling each of the {B} rows "
+                        f"would take {B / groups:.3g}x these FLOPs (analytic {per_row * B / ways:.3g} per chip)")
 
 
 def _cache_trips(cfg: QwenConfig, filled: int, times: int = 1) -> Loop:

@@ -3,7 +3,9 @@
 Every call works on a *window* of the cache: the participating rows (gathered into a power-of-two
 bucket on a single device; all rows, in place, under a multi-device mesh so caches never move
 between devices) and the first W slots (W a power-of-two bucket covering the longest row), so the
-cost of a step follows the rows' real lengths, not `max_len`. `prefill` appends tokens; a turn is
+cost of a step follows the rows' real lengths, not `max_len`. `prefill` appends tokens (a
+new episode's prompt is prefilled once per distinct prompt, in a cache of its own, and `share`
+copies it into every row that starts with it: a group's episodes share one prefill); a turn is
 `decode_start` (take the window), `decode_loop` (a `lax.while_loop` over single-token steps,
 resumable, so a streamed turn hands finished rows to the host every few steps while the window
 stays on the device) and `decode_end` (write it back). The cache and the rows' next inputs are
@@ -130,20 +132,36 @@ def _constrain(state, shardings):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "window", "compact", "shardings"),
                    donate_argnames=("cache", "next_input"))
-def prefill(graphdef, params, weights, cache, next_input, rows, tokens, num_new, prepend, set_next_input, reset, *,
+def prefill(graphdef, params, weights, cache, next_input, rows, tokens, num_new, prepend, set_next_input, *,
             window: int, compact: bool, shardings):
     """Appends tokens[r, :num_new[r]] to each row (R rows, T = tokens.shape[1]).
 
     rows [R] (compact: state rows, padding = B); tokens [R, T]; prepend [R] bool: tokens[r, 0] is
-    replaced by the row's next input (extension); set_next_input [R] (-1: keep); reset [R] bool:
-    the row starts empty (a new episode in a reused slot). weights: `unrolled_weights` or None.
+    replaced by the row's next input (extension); set_next_input [R] (-1: keep). weights:
+    `unrolled_weights` or None.
     """
     model = nnx.merge(graphdef, params)
     sub, sub_next_input = _take(cache, next_input, rows, window, compact)
-    sub = sub.replace(lengths=jnp.where(reset, 0, sub.lengths))
     tokens = tokens.at[:, 0].set(jnp.where(prepend, sub_next_input, tokens[:, 0]))
     _, sub = model.decode(tokens, num_new, sub, weights)
     sub_next_input = jnp.where(set_next_input >= 0, set_next_input, sub_next_input)
+    return _constrain(_put(cache, next_input, sub, sub_next_input, rows, window, compact), shardings)
+
+
+@functools.partial(jax.jit, static_argnames=("window", "compact", "shardings"),
+                   donate_argnames=("cache", "next_input"))
+def share(cache, next_input, prompts: KVCache, rows, source, set_next_input, *, window: int, compact: bool,
+          shardings):
+    """Starts rows on prefilled prompts: row rows[r] takes slots [0, window) and the length of row
+    source[r] of `prompts` (a cache of one row per distinct prompt, `window` slots), and next input
+    set_next_input[r]; source -1 leaves a row as it is (the rows a call in place does not start)."""
+    sub, sub_next_input = _take(cache, next_input, rows, window, compact)
+    take = source >= 0
+    picked = jnp.maximum(source, 0)
+    pick = lambda own, new: jnp.where(take[None, :, None, None, None], new[:, picked], own)
+    sub = KVCache(k=pick(sub.k, prompts.k), v=pick(sub.v, prompts.v),
+                  lengths=jnp.where(take, prompts.lengths[picked], sub.lengths))
+    sub_next_input = jnp.where(take, set_next_input, sub_next_input)
     return _constrain(_put(cache, next_input, sub, sub_next_input, rows, window, compact), shardings)
 
 

@@ -201,10 +201,11 @@ class RolloutRunner:
                     continue
                 live -= self._on_env_result(ep, r, state, need_row, ready)
             if need_row and not cfg.sync:
-                # prefill new episodes' prompts as their resets arrive: the call returns at once
-                # (asynchronous dispatch), so the device prefills while the loop waits for the
-                # other resets (observation turns are short: they stay batched)
-                self._assign_rows(state, need_row, ready)
+                # prefill new episodes' prompts as their groups' resets arrive: the call returns at
+                # once (asynchronous dispatch), so the device prefills while the loop waits for the
+                # other resets (observation turns are short: they stay batched). A group starts
+                # whole, so its shared prompt is prefilled once (`Sampler.start`)
+                self._assign_rows(state, need_row, ready, held=_resetting_groups(episodes))
             if not cfg.sync and (ready or need_row):
                 # hold the sampler calls (prefills included) while results can still join
                 ready_since = ready_since or time.perf_counter()
@@ -297,12 +298,14 @@ class RolloutRunner:
         """Tokens the episode's response may still grow by (`max_response_len` set)."""
         return self.cfg.max_response_len - (len(ep.tokens) - ep.prompt_len)
 
-    def _assign_rows(self, state: SamplerState, need_row: list, ready: list) -> None:
+    def _assign_rows(self, state: SamplerState, need_row: list, ready: list, held: set = frozenset()) -> None:
+        """Starts waiting episodes in free rows, in arrival order, but those of the groups `held`."""
         free = state.free_rows()
-        starting = need_row[:len(free)]
+        starting = [ep for ep in need_row if (ep.task_id, ep.group_id) not in held][:len(free)]
         if not starting:
             return
-        del need_row[:len(starting)]
+        started = {id(ep) for ep in starting}
+        need_row[:] = [ep for ep in need_row if id(ep) not in started]
         rows = free[:len(starting)]
         self.sampler.start([ep.to_prefill for ep in starting], state, rows=rows)
         for ep, row in zip(starting, rows):
@@ -401,6 +404,11 @@ class RolloutRunner:
 
 
 REPLAYED = ("crashed", "timeout")  # pool errors that are the worker's, not the episode's
+
+
+def _resetting_groups(episodes: Sequence[PlayedEpisode]) -> set[tuple[int, int]]:
+    """(task, group) of the episodes whose reset is still at the pool."""
+    return {(ep.task_id, ep.group_id) for ep in episodes if ep.in_env and not ep.observations}
 
 
 @jax.jit

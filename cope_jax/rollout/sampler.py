@@ -15,6 +15,11 @@ prefills exactly [next input, new[:-1]]. A row holds at most `max_len` tokens; a
 that limit finishes with `context_full`, and an `extend` or `start` that does not fit marks the row
 full (it then only reports `context_full`); nothing is ever truncated.
 
+`start` prefills each distinct prompt once, in a cache of its own with one row per distinct prompt,
+and copies its slots into every row that starts with it: the episodes of a group, which share their
+prompt, cost one prefill (`decode.share`). The rows' tokens and log-probs are those of prefilling
+each row on its own.
+
 This module is the host side: rows, validation, bucketing and streaming. The jitted programs it
 calls (`prefill`, `decode_start`, `decode_loop`, `decode_end`) are `cope_jax/rollout/decode.py`.
 """
@@ -31,7 +36,7 @@ from flax import nnx
 
 from cope_jax.rollout.decode import (CONTEXT_FULL, FINISH_REASONS, IDLE_ROW_KNOBS, LENGTH, RowLayout, abstract_cache,
                              abstract_window, bucket, decode_end, decode_loop, decode_start, eos_array, new_run,
-                             power_buckets, prefill, report_finished, row_buckets, row_keys, stop_array,
+                             power_buckets, prefill, report_finished, row_buckets, row_keys, share, stop_array,
                              unrolled_weights)
 from cope_jax.rollout.sampling import draw_of
 from models import attention as attn
@@ -116,27 +121,37 @@ class Sampler:
         # devices: then they stay in place (moving caches across devices costs more than their reads)
         self.gather = self.mesh is None or shd.logical_to_spec(("batch",), (self.batch_size,), self.mesh)[0] is None
         self.row_buckets = row_buckets(self.batch_size) if self.gather else (self.batch_size,)
+        # rows of the prompts' own cache: split over devices like the rows (a multiple of their ways)
+        ways = 1 if self.gather else self.batch_size // self._row_shard()
+        self.prompt_buckets = tuple(b for b in row_buckets(self.batch_size) if b % ways == 0)
         self.windows = power_buckets(min(min_window, self.max_len), self.max_len)
         self.chunks = power_buckets(min(16, prefill_chunk), min(prefill_chunk, self.max_len))
-        self._shardings = self._state_shardings()
+        self._shardings = self._state_shardings(self.batch_size, self.max_len)
 
-    def _state_shardings(self):
+    def _state_shardings(self, rows: int, slots: int):
+        """(cache, next input) shardings of a state of `rows` rows of `slots` slots (None: no mesh)."""
         if self.mesh is None:
             return None
-        cfg, B = self.cfg, self.batch_size
-        shape = (cfg.num_layers, B, self.max_len, cfg.num_kv_heads, cfg.head_dim)
+        cfg = self.cfg
+        shape = (cfg.num_layers, rows, slots, cfg.num_kv_heads, cfg.head_dim)
         kv = shd.named_sharding(CACHE_AXES, shape, self.mesh)
-        batch = shd.named_sharding(("batch",), (B,), self.mesh)
+        batch = shd.named_sharding(("batch",), (rows,), self.mesh)
         return KVCache(k=kv, v=kv, lengths=batch), batch
+
+    def _row_shard(self) -> int:
+        """Rows of the batch each device holds."""
+        return shd.named_sharding(("batch",), (self.batch_size,), self.mesh).shard_shape((self.batch_size,))[0]
 
     # -- rows --------------------------------------------------------------------------------------
     def init_state(self) -> SamplerState:
         """All rows free, cache zeroed (placed on the mesh when the model has one)."""
-        B = self.batch_size
-        cache = KVCache.zeros(self.cfg, B, self.max_len, dtype=self.cache_dtype, mesh=self.mesh)
-        next_input = shd.shard_batch(np.zeros(B, np.int32), self.mesh)
-        return SamplerState(cache=cache, next_input=next_input, cached=np.zeros(B, np.int64),
-                            live=np.zeros(B, bool), full=np.zeros(B, bool))
+        return self._new_state(self.batch_size, self.max_len)
+
+    def _new_state(self, rows: int, slots: int) -> SamplerState:
+        cache = KVCache.zeros(self.cfg, rows, slots, dtype=self.cache_dtype, mesh=self.mesh)
+        next_input = shd.shard_batch(np.zeros(rows, np.int32), self.mesh)
+        return SamplerState(cache=cache, next_input=next_input, cached=np.zeros(rows, np.int64),
+                            live=np.zeros(rows, bool), full=np.zeros(rows, bool))
 
     def start(self, prompts: Sequence[Sequence[int]], state: SamplerState | None = None,
               rows: Sequence[int] | None = None) -> SamplerState:
@@ -157,10 +172,27 @@ class Sampler:
         state.cached[rows] = 0
         fits = np.array([len(p) <= self.max_len for p in prompts])
         state.full[rows] = ~fits
-        ok = [i for i in range(len(rows)) if fits[i]]
-        self._append(state, [rows[i] for i in ok], [prompts[i][:-1] for i in ok],
-                     [prompts[i][-1] for i in ok], prepend=False, reset=True)
+        ok = np.flatnonzero(fits)
+        if len(ok):
+            self._start_rows(state, rows[ok], [prompts[i] for i in ok])
         return state
+
+    def _start_rows(self, state: SamplerState, rows: np.ndarray, prompts: list[list[int]]) -> None:
+        """Prefills each distinct prompt once, in a state of its own (`prompt_buckets` rows, as
+        many slots as the longest needs), and copies it into every row that starts with it."""
+        distinct: dict[tuple[int, ...], int] = {}
+        source = np.array([distinct.setdefault(tuple(p), len(distinct)) for p in prompts], np.int32)
+        unique = list(distinct)
+        n = bucket(len(unique), self.prompt_buckets)
+        window = bucket(max(1, max(len(p) for p in unique) - 1), self.windows)
+        own = self._new_state(n, window)
+        self._append(own, RowLayout(np.arange(len(unique)), n, (n,), gather=False), [p[:-1] for p in unique],
+                     [-1] * len(unique), prepend=False, shardings=self._state_shardings(n, window))
+        lay = self._layout(rows)
+        state.cache, state.next_input = share(state.cache, state.next_input, own.cache, lay.rows, lay(source, -1),
+                                              lay(np.array([p[-1] for p in prompts], np.int32), 0), window=window,
+                                              compact=lay.compact, shardings=self._shardings)
+        state.cached[rows] = [len(p) - 1 for p in prompts]
 
     def extend(self, state: SamplerState, rows: Sequence[int], token_ids: Sequence[Sequence[int]]) -> np.ndarray:
         """Appends token_ids[i] to live row rows[i] (an observation turn), prefilling only them.
@@ -174,9 +206,9 @@ class Sampler:
             & ~state.full[rows]
         state.full[rows] |= ~fits
         keep = [i for i in range(len(rows)) if fits[i] and ids[i]]
-        # row tokens to append: [next input, ids[:-1]] (the leading 0 is replaced on device)
-        self._append(state, [rows[i] for i in keep], [[0] + ids[i][:-1] for i in keep], [ids[i][-1] for i in keep],
-                     prepend=True, reset=False)
+        if keep:  # row tokens to append: [next input, ids[:-1]] (the leading 0 is replaced on device)
+            self._append(state, self._layout(rows[keep]), [[0] + ids[i][:-1] for i in keep],
+                         [ids[i][-1] for i in keep], prepend=True, shardings=self._shardings)
         return fits
 
     def free(self, state: SamplerState, rows: Sequence[int]) -> None:
@@ -262,14 +294,13 @@ class Sampler:
         toks, lps, codes = (np.asarray(run[k])[lay.index] for k in ("tokens", "logprobs", "code"))
         return toks, lps, counts, codes
 
-    def _append(self, state: SamplerState, rows: list[int], appends: list[list[int]], next_inputs: list[int],
-                *, prepend: bool, reset: bool) -> None:
-        """Prefills appends[i] into rows[i] in chunks of at most prefill_chunk tokens, then sets the
-        rows' next inputs. With `prepend`, appends[i][0] stands for the row's next input."""
-        if not rows:
-            return
+    def _append(self, state: SamplerState, lay: RowLayout, appends: list[list[int]], next_inputs: list[int],
+                *, prepend: bool, shardings) -> None:
+        """Prefills appends[i] into row lay.rows[lay.index[i]] of `state` in chunks of at most
+        prefill_chunk tokens, then sets the rows' next inputs (-1: keeps it). With `prepend`,
+        appends[i][0] stands for the row's next input."""
+        rows = lay.rows[lay.index]
         lengths = np.array([len(a) for a in appends], np.int64)
-        lay = self._layout(np.array(rows))
         chunk = self.chunks[-1]
         n_chunks = max(1, -(-int(lengths.max()) // chunk))
         n = len(rows)
@@ -281,20 +312,21 @@ class Sampler:
             for i, p in enumerate(part):
                 tokens[i, :len(p)] = p
             last = c == n_chunks - 1
-            after = (0 if reset and c == 0 else state.cached[rows]) + counts
+            after = state.cached[rows] + counts
             window = bucket(max(1, int(after.max())), self.windows)
             args, static = self._prefill_inputs(state, lay, tokens, counts, np.full(n, prepend and c == 0),
                                                 np.array(next_inputs) if last else np.full(n, -1),
-                                                np.full(n, reset and c == 0), window=window)
+                                                window=window, shardings=shardings)
             state.cache, state.next_input = prefill(*args, **static)
             state.cached[rows] = after
 
-    def _prefill_inputs(self, state, lay, tokens, counts, prepend, set_next_input, reset, *, window: int):
+    def _prefill_inputs(self, state, lay, tokens, counts, prepend, set_next_input, *, window: int,
+                        shardings):
         """`prefill`'s (arguments, static arguments) for one chunk of appends ([n] arrays per row)."""
         graphdef, params, weights = self._params()
         args = (graphdef, params, weights, state.cache, state.next_input, lay.rows, lay(tokens, 0), lay(counts, 0),
-                lay(prepend, False), lay(set_next_input, -1), lay(reset, False))
-        return args, dict(window=window, compact=lay.compact, shardings=self._shardings)
+                lay(prepend, False), lay(set_next_input, -1))
+        return args, dict(window=window, compact=lay.compact, shardings=shardings)
 
     def _turn_inputs(self, state, lay, knobs, step_limit, limit_code, eos, stops, keys, *, window: int, steps: int,
                      start=None):
@@ -308,35 +340,51 @@ class Sampler:
         return graphdef, params, weights, run, args
 
     # -- ahead-of-time compilation -------------------------------------------------------------------
-    def abstract_state(self) -> SamplerState:
-        """Every row live, the cache as abstract arrays laid out as `init_state` lays them out."""
-        B = self.batch_size
-        cache, next_input = abstract_cache(self.cfg, B, self.max_len, self.cache_dtype, self._shardings)
-        return SamplerState(cache=cache, next_input=next_input, cached=np.zeros(B, np.int64), live=np.ones(B, bool),
-                            full=np.zeros(B, bool))
+    def abstract_state(self, rows: int | None = None, slots: int | None = None) -> SamplerState:
+        """Every row live, the cache as abstract arrays laid out as `init_state` lays them out (or
+        as a state of `rows` x `slots`, the prompts' own, is)."""
+        rows, slots = rows or self.batch_size, slots or self.max_len
+        cache, next_input = abstract_cache(self.cfg, rows, slots, self.cache_dtype, self._state_shardings(rows, slots))
+        return SamplerState(cache=cache, next_input=next_input, cached=np.zeros(rows, np.int64),
+                            live=np.ones(rows, bool), full=np.zeros(rows, bool))
 
-    def lower(self, max_new_tokens: int, rows: int | None = None) -> dict[str, "jax.stages.Lowered"]:
-        """The prefill and decode programs at the largest shapes a run gives them, on abstract
-        inputs (nothing allocated): every row (or a call of the first `rows`), the whole cache
-        window, a full prefill chunk, and a turn of `max_new_tokens` decode steps. `launch.plan`
-        compiles them for a target."""
+    def lower(self, max_new_tokens: int, rows: int | None = None, *, group_size: int = 1,
+              prompt_len: int | None = None) -> dict[str, Callable[[], "jax.stages.Lowered"]]:
+        """The sampler's programs at the largest shapes a run gives them, each lowered on abstract
+        inputs (nothing allocated) when called: "prefill" (every row, or a call of the first `rows`,
+        a full chunk into the whole cache window), "prefill@group" (a first turn's prompts of
+        `prompt_len` tokens, default max_len: one row per group of `group_size` of those rows, a
+        chunk into the prompts' own state) and "decode" (a turn of `max_new_tokens` steps).
+        `launch.plan` compiles them for a target."""
         state = self.abstract_state()
         rows = np.arange(self.batch_size if rows is None else rows)
         n = len(rows)
         lay, window = self._layout(rows), self.windows[-1]
         chunk = self.chunks[-1]
-        args, static = self._prefill_inputs(state, lay, np.zeros((n, chunk), np.int32), np.full(n, chunk),
-                                            np.zeros(n, bool), np.full(n, -1), np.zeros(n, bool), window=window)
-        steps = bucket(min(max_new_tokens, self.max_len), power_buckets(16, self.max_len))
-        knobs = dict(temperature=np.ones(n, np.float32), top_k=np.zeros(n, np.int32),
-                     top_p=np.ones(n, np.float32), greedy=np.zeros(n, bool))
-        graphdef, params, weights, run, call_args = self._turn_inputs(
-            state, lay, {k: lay(v, IDLE_ROW_KNOBS[k]) for k, v in knobs.items()}, np.full(n, steps),
-            np.full(n, LENGTH), eos_array(self.eos_ids), self._stop_array(()),
-            self._row_keys(0, rows, needed=True), window=window, steps=steps, start=abstract_window)
-        return {"prefill": prefill.lower(*args, **static),
-                "decode": decode_loop.lower(graphdef, params, weights, run, np.int32(steps), *call_args,
-                                            draw=draw_of(**knobs))}
+        groups = bucket(-(-n // group_size), self.prompt_buckets)
+        slots = bucket(prompt_len or self.max_len, self.windows)
+
+        def prefill_program(state, lay, n, T, window):
+            args, static = self._prefill_inputs(state, lay, np.zeros((n, T), np.int32), np.full(n, T),
+                                                np.zeros(n, bool), np.full(n, -1), window=window,
+                                                shardings=self._state_shardings(state.batch_size, state.cache.max_len))
+            return prefill.lower(*args, **static)
+
+        def decode_program():
+            steps = bucket(min(max_new_tokens, self.max_len), power_buckets(16, self.max_len))
+            knobs = dict(temperature=np.ones(n, np.float32), top_k=np.zeros(n, np.int32),
+                         top_p=np.ones(n, np.float32), greedy=np.zeros(n, bool))
+            graphdef, params, weights, run, call_args = self._turn_inputs(
+                state, lay, {k: lay(v, IDLE_ROW_KNOBS[k]) for k, v in knobs.items()}, np.full(n, steps),
+                np.full(n, LENGTH), eos_array(self.eos_ids), self._stop_array(()),
+                self._row_keys(0, rows, needed=True), window=window, steps=steps, start=abstract_window)
+            return decode_loop.lower(graphdef, params, weights, run, np.int32(steps), *call_args, draw=draw_of(**knobs))
+
+        return {"prefill": lambda: prefill_program(state, lay, n, chunk, window),
+                "prefill@group": lambda: prefill_program(
+                    self.abstract_state(groups, slots), RowLayout(np.arange(groups), groups, (groups,), gather=False),
+                    groups, bucket(min(chunk, slots), self.chunks), slots),
+                "decode": decode_program}
 
     def _params(self):
         """(graphdef, params, unrolled weights or None), re-making the unrolled copy only when the

@@ -89,7 +89,7 @@ def test_the_gpu_decode_step_steers_nothing_from_the_host_and_its_layer_copy_end
 
     def decode_text(**kw):
         sampler = Sampler(qwen.abstract_placed_model(cfg, mesh), batch_size=4, max_len=256, eos_ids=[], **kw)
-        return sampler, sampler.lower(16)["decode"].compile().as_text()
+        return sampler, sampler.lower(16)["decode"]().compile().as_text()
 
     sampler, stacked = decode_text()
     assert not sampler.unroll

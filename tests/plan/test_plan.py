@@ -195,6 +195,32 @@ def test_the_sampler_programs_report_the_bytes_they_must_move():
     assert r.bytes_ratio == pytest.approx(r.hbm_bytes / r.must_bytes)
 
 
+def test_the_first_turns_prefill_is_one_row_per_group():
+    """sciworld:cope (its rows, group size 8, 2,048-token prompts, on a small model) on a v5p host:
+    by the TPU compiler's count, `prefill@group` costs an eighth of the same prefill with one row
+    per episode (group size 1), and the report says what it stands for."""
+    from configs import sciworld
+    from tests.plan.test_fit_table import TINY_MODEL
+
+    target = targets.get_target("v5p-8")
+
+    def group_prefill(group_size):
+        c = sciworld.get_config("cope")
+        c.model.update(TINY_MODEL)
+        c.rollout.update(group_size=group_size, sampler_rows=128)  # the rows of 16 tasks x 8 either way
+        cfg = run_config.random_model_config(c, None)
+        _, progs = programs.run_programs(c, cfg, targets.devices(target), (1, 4, 1))
+        return next(p for p in progs if p.name == "prefill@group")
+
+    grouped, per_row = group_prefill(8), group_prefill(1)
+    assert grouped.shape == "16 x 512 into 2048" and per_row.shape == "128 x 512 into 2048"
+    a, b = measure.measure(grouped, target), measure.measure(per_row, target)
+    assert a.cost_source == b.cost_source == "compiler"
+    assert a.flops == pytest.approx(b.flops / 8, rel=0.02)
+    assert a.note.startswith("a first turn's prompts, one row per group of 8: prefilling each of the 128 rows "
+                             "would take 8x these FLOPs")
+
+
 def test_a_short_row_in_a_long_window_costs_what_a_short_window_costs():
     """The decode step reads only the filled key blocks. By the TPU compiler's count (v5e-8, a
     small model with 128-wide heads in bf16, key blocks of 128): a call whose rows hold at most 100
@@ -226,7 +252,8 @@ def test_tiny_plan_on_v5e_and_v4_fits_and_reports_every_program(topology):
     rc, out, err = _run("--config=configs/demo.py", f"--topology={topology}", "--json", "--nocost", *TINY)
     assert rc == 0, err
     records = _records(out)
-    assert [r["program"] for r in records[:-1]] == ["train_step", "logprobs", "prefill", "decode", "decode@fill"]
+    assert [r["program"] for r in records[:-1]] == ["train_step", "logprobs", "prefill", "prefill@group", "decode",
+                                                   "decode@fill"]
     rc, out, err = _run("--config=configs/demo.py", f"--topology={topology}", "--json", "--nocost", *TINY,
                         "--programs=decode,prefill")
     assert rc == 0, err

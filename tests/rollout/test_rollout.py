@@ -247,6 +247,23 @@ def test_first_sampler_call_waits_for_the_results_that_can_join(setup):
     assert recorder.events[:3] == [("start", 1), ("start", 1), ("generate", 2)]
 
 
+def test_a_group_starts_whole_so_its_prompt_is_prefilled_once(setup):
+    """Resets arriving one at a time: a group's episodes wait for each other's reset and start in
+    one `start` call, where their shared prompt is one prefill."""
+    tok, chat, sampler, pool = setup
+    recorder = Recorder(sampler)
+    runner = RolloutRunner(recorder, OneResultPerPoll(pool), "builtin", FAMILY, chat,
+                           RolloutConfig(max_rounds=2, max_turn_tokens=4))
+    prompts = []
+    start = recorder.start
+    recorder.start = lambda p, state=None, rows=None: (prompts.append(p), start(p, state, rows))[1]
+    tasks = [(t, g) for g, t in enumerate(FAMILY.task_ids("train")[:2]) for _ in range(2)]
+    trajs, _ = runner.run(tasks, jax.random.key(0))
+    assert len(trajs) == 4
+    assert [e for e in recorder.events if e[0] == "start"] == [("start", 2)] * 2
+    assert all(p[0] == p[1] for p in prompts) and prompts[0][0] != prompts[1][0]
+
+
 def test_expert_demonstrations_are_written_in_the_family_reply_format(setup):
     from cope_jax.run.demos import expert_trajectories
 

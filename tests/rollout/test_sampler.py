@@ -409,6 +409,42 @@ def test_every_mesh_samples_the_single_device_tokens(setup, shape):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("shape", [None, (2, 2, 2)])
+def test_a_groups_prompt_is_prefilled_once_and_samples_as_prefilled_per_row(setup, monkeypatch, shape):
+    """Rows starting with the same prompt (a group of three, 19 tokens: two prefill chunks, and one
+    other) share one prefill, on one device and with rows split over 4 of 8 devices; tokens and
+    log-probs equal starting each row on its own (one `start` per row: nothing to share)."""
+    import cope_jax.rollout.sampler as sampler_module
+
+    directory, _, cfg, sampler = setup
+    if shape is not None:
+        model, _ = models.load_hf_model(directory, mesh=models.make_mesh(shape))
+        sampler = Sampler(model, batch_size=B, max_len=MAX_LEN, eos_ids=[], prefill_chunk=16, unroll_layers=False)
+    group, other = _prompts(cfg.vocab_size, seed=13, lens=(19, 7))
+    prompts = [group, group, other, group]
+    alone = sampler.init_state()
+    for row, p in enumerate(prompts):
+        sampler.start([p], alone, rows=[row])
+    want = sampler.generate(alone, max_new_tokens=16, temperature=1.0, key=3)
+    prefilled = []  # per prefill call: the rows it appended tokens to
+
+    def counting(*args, **kwargs):
+        prefilled.append(int((np.asarray(args[7]) > 0).sum()))
+        return prefill(*args, **kwargs)
+    prefill = sampler_module.prefill
+    monkeypatch.setattr(sampler_module, "prefill", counting)
+    state = sampler.start(prompts)
+    assert prefilled == [2, 1]  # the two distinct prompts, then the long one's second chunk
+    np.testing.assert_array_equal(state.cached, [18, 18, 6, 18])
+    got = sampler.generate(state, max_new_tokens=16, temperature=1.0, key=3)
+    for i in range(B):
+        np.testing.assert_array_equal(got.tokens[i], want.tokens[i])
+        np.testing.assert_allclose(got.logprobs[i], want.logprobs[i], atol=2e-5)  # float32 sum order
+    # the rows started from the shared prompt go on like any other: a turn appended to one of them
+    fits = sampler.extend(state, [1], [[5, 6, 7]])
+    assert fits.all() and state.cached[1] == 18 + 16 + 3
+
+
 def test_the_replica_follows_the_policy_after_refresh(setup):
     directory, _, cfg, _ = setup
     mesh = models.make_mesh((1, 8, 1))
