@@ -6,7 +6,9 @@ with a negative task id hangs. `rendezvous` answers only once another instance i
 has reached it too (within 5 s; otherwise it raises): it succeeds only where the worker runs its
 slots' calls at once. With `spawn_child=True` the live side starts a long-sleeping child
 process (standing in for ScienceWorld's JVM) and reports its pid in the reset info, so tests can
-check that killing a worker also kills what it started.
+check that killing a worker also kills what it started. `reset_delay` / `step_delay` seconds make
+each call take that long, and `WARM_UP_SECONDS` (an environment variable of the worker) makes its
+start take that long, announced on stderr (`WARMING`): moments a test can hit a worker in.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from envs.builtin import BuiltinEnv
 
 
 _RENDEZVOUS = threading.Barrier(2)
+WARM_UP_SECONDS = "COPE_CHAOS_WARM_UP_SECONDS"
+WARMING = "chaos: warming up"
 
 
 class ChaosEnv(BuiltinEnv):
@@ -30,12 +34,22 @@ class ChaosEnv(BuiltinEnv):
 
     name = "chaos"
 
-    def __init__(self, spawn_child: bool = False, **kwargs: Any) -> None:
+    def __init__(self, spawn_child: bool = False, reset_delay: float = 0.0, step_delay: float = 0.0,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._spawn_child = spawn_child
+        self._delays = {"reset": float(reset_delay), "step": float(step_delay)}
         self._child: subprocess.Popen | None = None
 
+    @classmethod
+    def warm_up(cls) -> None:
+        seconds = float(os.environ.get(WARM_UP_SECONDS, 0))
+        if seconds:
+            print(WARMING, file=sys.stderr, flush=True)
+            time.sleep(seconds)
+
     def _reset(self, task_id: int) -> tuple[str, dict[str, Any]]:
+        time.sleep(self._delays["reset"])
         if task_id < 0:
             time.sleep(1e6)
         if self._spawn_child and self._child is None:
@@ -48,6 +62,7 @@ class ChaosEnv(BuiltinEnv):
         return obs, info
 
     def _step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
+        time.sleep(self._delays["step"])
         if action == "crash":
             os.kill(os.getpid(), signal.SIGKILL)
         if action == "exit":

@@ -256,7 +256,7 @@ class EnvPool:
         end = None if timeout is None else time.monotonic() + timeout
         while True:
             self._pump(0.0)
-            if self._ready or (end is None and not self._can_progress()):
+            if self._ready or (end is None and not self.can_progress()):
                 break
             now = time.monotonic()
             if end is not None and now >= end:
@@ -275,7 +275,7 @@ class EnvPool:
         Resets waiting for a slot held by an idle episode stay queued."""
         end = None if timeout is None else time.monotonic() + timeout
         out: list[EnvResult] = []
-        while self._can_progress() or self._ready:
+        while self.can_progress() or self._ready:
             left = None if end is None else end - time.monotonic()
             if left is not None and left <= 0:
                 break
@@ -287,9 +287,29 @@ class EnvPool:
         queued = sum(len(w.queue) + len(w.inflight) for w in self._workers)
         return queued + sum(len(q) for q in self._waiting.values()) + len(self._ready)
 
-    def _can_progress(self) -> bool:
-        """Whether a result can still arrive without the caller doing anything."""
+    def can_progress(self) -> bool:
+        """Whether a result can still arrive without the caller doing anything: a call is at a
+        worker (sent, or queued behind another or behind the worker's start). A reset waiting for
+        a slot held by an idle episode cannot: that episode must end or be released first."""
         return any(w.inflight or w.queue for w in self._workers)
+
+    def quiet_limit(self) -> float:
+        """The longest a healthy pool goes without a result while it can progress: a replacement
+        worker's start, then one call's deadline (a worker answers within its deadline or is lost)."""
+        return max(self._specs[w.family].start_timeout + self._timeouts[w.family] for w in self._workers)
+
+    def describe(self) -> str:
+        """Where every outstanding call is, in one line (for an error message)."""
+        now = time.monotonic()
+        parts = []
+        for w in self._workers:
+            calls = [f"{r.kind} {r.episode!r} sent {now - r.sent:.1f}s ago" for r in w.inflight.values()]
+            calls += [f"{r.kind} {r.episode!r} queued" for r in w.queue]
+            held = sum(e is not None for e in w.slots)
+            parts.append(f"worker {w.proc.pid if w.proc else None} ({w.family}, {w.state}, {held}/{len(w.slots)} "
+                         f"slots held){': ' + ', '.join(calls) if calls else ''}")
+        waiting = sum(len(q) for q in self._waiting.values())
+        return "; ".join(parts) + f"; {waiting} resets waiting for a slot"
 
     def has_slot(self, episode: Hashable) -> bool:
         """Whether a live episode holds an environment slot (its reset is not queued for one)."""
@@ -431,10 +451,10 @@ class EnvPool:
             else:
                 failed.append((req, "crashed", f"worker lost: {detail}"))
         w.inflight = {}
-        # Calls queued behind the failed one: a reset not yet sent starts afresh on a live worker;
-        # the others were lost with the worker (or with its failed start).
-        queued_error = "start_failed" if error == "start_failed" else "crashed"
-        unsent = [req for req in w.queue if req.kind == "reset" and queued_error == "crashed"]
+        # Calls queued behind the failed one (or behind its start): a reset not yet sent starts
+        # afresh on a live worker, unless the family is broken; the others were lost with the worker.
+        queued_error = "start_failed" if w.family in self._broken else "crashed"
+        unsent = [req for req in w.queue if req.kind == "reset" and w.family not in self._broken]
         failed += [(req, queued_error, f"worker lost: {detail}") for req in w.queue if req not in unsent]
         w.queue.clear()
         for req, err, why in failed:

@@ -24,6 +24,7 @@ def refusals() -> tuple[type[BaseException], ...]:
     """The exceptions that mean "this input cannot run", each raised with a one-line message where
     an input is checked. Any other exception, a ValueError from numpy or JAX included, is a bug."""
     from cope_jax.plan.measure import CompileError
+    from cope_jax.rollout.runner import RolloutStalled
     from cope_jax.rollout.tokenizer import TokenizerError
     from cope_jax.run.faults import FaultError
     from cope_jax.stages.runs import RunDirectoryError
@@ -34,7 +35,7 @@ def refusals() -> tuple[type[BaseException], ...]:
     from models.safetensors_io import CheckpointError
 
     return (ConfigError, CheckpointError, TokenizerError, LoraConfigError, DestinationError, RunDirectoryError,
-            EnvDataError, FaultError, CompileError)
+            EnvDataError, FaultError, CompileError, RolloutStalled)
 
 
 def run(main: Callable[[list[str]], None]) -> None:

@@ -48,7 +48,6 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0
     greedy: bool = False
-    poll_interval: float = 0.002  # seconds to wait for the environment when nothing can decode
     # asynchronous rounds: an episode ready to decode waits up to this fraction of a typical
     # generate call for environment results still in flight to join its batch; a sampler call
     # costs nearly the same for 1 row as for many, so a straggler decoded alone costs a whole
@@ -183,12 +182,17 @@ class RolloutRunner:
         live = len(episodes)
         hold = 0.0  # seconds the ready episodes still wait for results to join their batch
         ready_since = None
+        quiet_since = time.monotonic()  # the last result or decode round
         while live:
             if on_progress is not None:
                 on_progress(len(episodes) - live)  # episodes ended so far (a progress bar)
             results = self._collect(hold, bool(ready or need_row), upcoming)
             results = early + results
             early = []
+            if results or ready or need_row:
+                quiet_since = time.monotonic()
+            else:
+                self._unblock(live, quiet_since)
             if cfg.sync:
                 results.sort(key=lambda r: by_key[r.episode].index)
             for r in results:
@@ -216,15 +220,38 @@ class RolloutRunner:
             hold, ready_since = 0.0, None
             live -= self._decode_round(state, need_row, ready, key, stats)
 
+    def _unblock(self, live: int, quiet_since: float) -> None:
+        """Called when nothing arrived and nothing can decode. If no result can arrive either, the
+        batch's resets wait for slots held by the next batch's prefetched episodes (the slots of
+        episodes lost to a worker went to them before the replays were submitted): the prefetch is
+        released. Past that, or after `quiet_limit` seconds without a result, the rollout stops
+        with one line saying where each outstanding call is (a hang becomes an error)."""
+        if not self.pool.can_progress() and self._ahead:
+            self.cancel_prefetch()
+            return
+        quiet = time.monotonic() - quiet_since
+        why = ("none can arrive" if not self.pool.can_progress()
+               else "past every deadline" if quiet > self.pool.quiet_limit() + WATCHDOG_MARGIN_S else None)
+        if why:
+            raise RolloutStalled(f"rollout stalled: {live} episodes live, nothing to decode, no environment result "
+                                 f"for {quiet:.0f}s ({why}): {self.pool.describe()}")
+
     def _collect(self, hold: float, can_decode: bool, upcoming: set) -> list:
         """The pool's results for this batch, waiting for them while nothing can decode or while
-        the ready episodes are held; results for the next batch's prefetched episodes are kept."""
-        if self.cfg.sync:
-            results = self.pool.wait_all()
+        the ready episodes are held; results for the next batch's prefetched episodes are kept.
+        A wait ends by `quiet_limit` at the latest, so `_unblock` sees a stalled pool."""
+        limit = self.pool.quiet_limit() + WATCHDOG_MARGIN_S
+        if self.cfg.sync:  # every call that can answer, however long they take together
+            results = []
+            while got := self.pool.wait_all(timeout=limit):
+                results += got
+                if not self.pool.can_progress():
+                    break
         else:
             results = self.pool.poll(0.0)
-            if not results and self.pool.outstanding() and (hold > 0 or not can_decode):
-                results = self.pool.poll(min(hold, 1.0) if hold > 0 else self.cfg.poll_interval)
+            if not results and self.pool.can_progress() and (hold > 0 or not can_decode):
+                # poll returns at the first result: the bound only lets `_unblock` look
+                results = self.pool.poll(min(hold, 1.0) if hold > 0 else limit)
         for r in [r for r in results if r.episode in upcoming]:
             self._early[r.episode] = r
         return [r for r in results if r.episode not in upcoming]
@@ -404,6 +431,11 @@ class RolloutRunner:
 
 
 REPLAYED = ("crashed", "timeout")  # pool errors that are the worker's, not the episode's
+WATCHDOG_MARGIN_S = 30.0  # beyond the pool's `quiet_limit`, before a silent rollout is an error
+
+
+class RolloutStalled(RuntimeError):
+    """No environment result can arrive, or none did within every deadline, and nothing can decode."""
 
 
 def _resetting_groups(episodes: Sequence[PlayedEpisode]) -> set[tuple[int, int]]:

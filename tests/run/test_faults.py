@@ -165,3 +165,50 @@ def test_a_task_that_hangs_every_replay_is_a_fault_naming_the_task(caplog):
     with caplog.at_level(logging.WARNING):
         with pytest.raises(faults.FaultError, match=r"\(task -1, after 2 replays\)"):
             faults.drop(trajs, 0.25)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_worker_killed_at_a_random_moment_of_the_first_rollout_costs_no_episode(tmp_path, seed):
+    """The demo's path at small settings, the next batch's resets prefetched (the default): one of
+    two workers SIGKILLed at a random moment of the first rollout (a random round of its loop, then
+    up to 0.3 s: resets or steps in flight, the sampler compiling or decoding while the episodes and
+    the prefetched ones sit idle). Both steps train on every episode; nothing hangs."""
+    import threading
+
+    from cope_jax.rollout.runner import RolloutRunner
+    from cope_jax.stages.runs import train_run
+
+    c = tiny_config("cope", steps=2)
+    c.env.update(workers=2, max_rounds_train=4)
+    c.rollout.update(tasks_per_step=2, group_size=4, sampler_rows=8)
+    c.eval.update(every=0)
+    assert c.rollout.prefetch_resets and c.rollout.sync
+    rng = np.random.default_rng(seed)
+    round_, delay, victim = int(rng.integers(1, 5)), rng.uniform(0.0, 0.3), int(rng.integers(2))
+    rounds, killed = [], []
+    real_collect = RolloutRunner._collect
+
+    def collect(self, *args, **kwargs):
+        rounds.append(None)
+        if len(rounds) == round_:
+            pid = self.pool.worker_pids()[victim]
+            killed.append(pid)
+            threading.Timer(delay, os.kill, (pid, signal.SIGKILL)).start()
+        return real_collect(self, *args, **kwargs)
+
+    def stop(*_):
+        raise TimeoutError("hung: still running after 240 s")
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(240)
+    try:
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(RolloutRunner, "_collect", collect)
+            train_run(c, str(tmp_path / "run"), progress=False)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert killed
+    records = [json.loads(l) for l in open(tmp_path / "run" / "metrics.jsonl")]
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    assert sum(r["env_faults"] for r in train) == 0, train
