@@ -339,27 +339,29 @@ def _decoder_layer(p: dict[str, jax.Array], x, kv, layer, slots, *, cfg: QwenCon
     H, K, D, E, F = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
     proj = functools.partial(_project, w=w, decode_layout=decode_layout, platform=attn.platform_of(mesh),
                              lora_scale=0.0 if cfg.lora is None else cfg.lora.scale)
-    h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps).astype(dtype)
-    q, k, v = proj(("q_proj", "k_proj", "v_proj"), h, out_shapes=((H, D), (K, D), (K, D)))
-    if cfg.qkv_bias:
-        q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
-    if cfg.qk_norm:
-        q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    q = shd.constrain(q, ("batch", "seq", "q_heads", "head_dim"), mesh)
-    knobs = dict(implementation=cfg.attention, block=cfg.attention_block, mesh=mesh)
-    if kv is None:
-        o = attn.attention(q, k, v, ids, **knobs)
-    else:
-        rows = jnp.arange(k.shape[0])[:, None]
-        kv = tuple(c.at[layer, rows, slots].set(new.astype(c.dtype), mode="drop") for c, new in zip(kv, (k, v)))
-        o, kv = attn.cached(q, kv, layer, ids, **knobs)
-    x = x + proj(("o_proj",), o, out_shapes=((E,),))[0]
+    with jax.named_scope("attention"):  # profiles name what a layer spends (docs/benchmarks.md)
+        h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps).astype(dtype)
+        q, k, v = proj(("q_proj", "k_proj", "v_proj"), h, out_shapes=((H, D), (K, D), (K, D)))
+        if cfg.qkv_bias:
+            q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
+        if cfg.qk_norm:
+            q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = shd.constrain(q, ("batch", "seq", "q_heads", "head_dim"), mesh)
+        knobs = dict(implementation=cfg.attention, block=cfg.attention_block, mesh=mesh)
+        if kv is None:
+            o = attn.attention(q, k, v, ids, **knobs)
+        else:
+            rows = jnp.arange(k.shape[0])[:, None]
+            kv = tuple(c.at[layer, rows, slots].set(new.astype(c.dtype), mode="drop") for c, new in zip(kv, (k, v)))
+            o, kv = attn.cached(q, kv, layer, ids, **knobs)
+        x = x + proj(("o_proj",), o, out_shapes=((E,),))[0]
     x = shd.constrain(x, residual, mesh)
-    h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps).astype(dtype)
-    gate, up = proj(("gate_proj", "up_proj"), h, out_shapes=((F,), (F,)))
-    x = x + proj(("down_proj",), jax.nn.silu(gate) * up, out_shapes=((E,),))[0]
+    with jax.named_scope("mlp"):
+        h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps).astype(dtype)
+        gate, up = proj(("gate_proj", "up_proj"), h, out_shapes=((F,), (F,)))
+        x = x + proj(("down_proj",), jax.nn.silu(gate) * up, out_shapes=((E,),))[0]
     return shd.constrain(x.astype(dtype), residual, mesh), kv
 
 

@@ -84,6 +84,7 @@ def _vocab_offset(w_local, vocab_axes):
 def _local_fwd(h, w, targets, *, chunk, temperature, with_entropy, vocab_axes):
     offset = _vocab_offset(w, vocab_axes)
 
+    @jax.named_scope("logits_chunk")
     def body(_, xs):
         hc, tc = xs
         z = _logits(hc, w, temperature)
@@ -107,6 +108,7 @@ def _local_bwd(h, w, targets, lse, ent, g_logp, g_ent, *, chunk, temperature, wi
                vocab_axes):
     offset = _vocab_offset(w, vocab_axes)
 
+    @jax.named_scope("logits_chunk_grad")
     def body(dw, xs):
         hc, tc, lse_c, ent_c, gl_c, ge_c = xs
         z = _logits(hc, w, temperature)

@@ -120,7 +120,8 @@ def micro_loss(model, batch: PackedBatch, coefs: dict, cfg: LossConfig, *, on_po
     total = jnp.zeros((), jnp.float32)
     metrics = {}
     for term in ordered(coefs):
-        value, m = TERMS[term].loss(logp, ent, batch.weights[term], batch, cfg)
+        with jax.named_scope(f"loss_{term}"):
+            value, m = TERMS[term].loss(logp, ent, batch.weights[term], batch, cfg)
         total = total + coefs[term] * value
         metrics.update(m)
     if uses_old:

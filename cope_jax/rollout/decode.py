@@ -143,7 +143,8 @@ def prefill(graphdef, params, weights, cache, next_input, rows, tokens, num_new,
     model = nnx.merge(graphdef, params)
     sub, sub_next_input = _take(cache, next_input, rows, window, compact)
     tokens = tokens.at[:, 0].set(jnp.where(prepend, sub_next_input, tokens[:, 0]))
-    _, sub = model.decode(tokens, num_new, sub, weights)
+    with jax.named_scope("prefill"):
+        _, sub = model.decode(tokens, num_new, sub, weights)
     sub_next_input = jnp.where(set_next_input >= 0, set_next_input, sub_next_input)
     return _constrain(_put(cache, next_input, sub, sub_next_input, rows, window, compact), shardings)
 
@@ -190,6 +191,7 @@ def decode_loop(graphdef, params, weights, run, until, knobs, step_limit, limit_
     def cond(s):
         return (s["step"] < until) & ~jnp.all(s["done"])
 
+    @jax.named_scope("decode_step")
     def body(s):
         active = ~s["done"]
         h, new_cache = model.decode(s["next_input"][:, None], active.astype(jnp.int32), s["cache"], weights)
