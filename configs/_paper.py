@@ -1,4 +1,4 @@
-"""Per-environment settings of the paper (Tables 9-11, SPEC 5), applied on top of configs/base.py."""
+"""Per-environment settings of the paper (Tables 9-11, method §5), applied on top of configs/base.py."""
 from __future__ import annotations
 
 from configs.base import base_config

@@ -1,4 +1,4 @@
-"""The paper's settings (Tables 9-11, SPEC 2-5), shared by every environment config.
+"""The paper's settings (Tables 9-11, method §2-5), shared by every environment config.
 
 A config file `configs/<env>.py` exposes `get_config(method)`, so each (environment, method) pair is
 one addressable config: `--config=configs/sciworld.py:cope`. Fields can be overridden on the command
@@ -79,7 +79,7 @@ def base_config(method: str = "cope") -> ml_collections.ConfigDict:
         # packing: [rows, row_len] per micro-batch; rows_per_micro 0 = one row per device of the
         # mesh's batch axes (data x fsdp): fewer rows are computed on every device of a group
         row_len=16384, rows_per_micro=0,
-        clip_low=0.2, clip_high=0.2, dual_clip=0.0,  # dual clip c (0 = off; SPEC: 3.0 when on)
+        clip_low=0.2, clip_high=0.2, dual_clip=0.0,  # dual clip c (0 = off; method §2.2: 3.0 when on)
         kl_coef=1e-3, entropy_coef=1e-3, agg_mode="seq-mean-token-mean",
         af_coef=0.01, af_mode="joint", af_norm="success_groups", horizon=-1,  # -1: the method's K
         # skip_invalid: forecasting targets the environment rejected are refilled with the episode's
@@ -111,7 +111,7 @@ def base_config(method: str = "cope") -> ml_collections.ConfigDict:
             targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))),
     ))
     # optional supervised warm start on expert demonstrations (the demo uses it); af_examples:
-    # forecasting examples (SPEC 3 format, from the demonstrations) joining each step, 0 = off;
+    # forecasting examples (method §3.1 format, from the demonstrations) joining each step, 0 = off;
     # lr_schedule: 'constant' or 'cosine' (short warm-up, then decay to 5% over the steps); mistakes:
     # probability of a broken action (context only) before each expert action; dawdle: of the
     # family's idle action (trained) before each expert action (cope_jax/run/demos.py)

@@ -20,7 +20,7 @@ RL settings for a model this small (the paper's lr 1e-6 and λ 0.01 are for 7B m
 from the dawdling warm start (seed 1: 0.565), test success at steps 10 / 20:
 - CoPE, lr 1e-4, λ 0.001 (this config): 0.6875 / 0.6775; GRPO, lr 1e-4: 0.68 / 0.675.
 - CoPE, lr 1e-4, λ 0.01: 0.6825 / 0.5675 (with KL coefficient 0.05: 0.6875 / 0.5025): the
-  forecasting term (a sum over an episode's steps, SPEC 3) drove the KL to 0.2 by step 20 (GRPO's:
+  forecasting term (a sum over an episode's steps, method §3) drove the KL to 0.2 by step 20 (GRPO's:
   0.07) and success fell back; at λ 0.1 and 0.5 it dominated the clipped gradient from the start.
 - CoPE (λ 0.01) at lr 3e-4: the KL jumped to 0.3-0.5 at step 8 and success fell (0.4525 at step
   10); at lr 3e-5 it moved nothing in 20 steps (from a dawdle-0.3 warm start: 0.6475 / 0.63 / 0.6475).

@@ -7,7 +7,7 @@ and the `solvable` flag), laid out as
 textworld's `PddlEnv` (fast-downward grounds the PDDL) wrapped in ALFWorld's own name demangler,
 exactly as `AlfredTWEnv` does.
 
-Tasks and splits (SPEC 5, paper appendix A.3): the training pool is the games under
+Tasks and splits (method §5, paper appendix A.3): the training pool is the games under
 json_2.1.1/train and the test set the games under json_2.1.1/valid_train, concatenated into one
 list, train first, so test ids follow the train ids (2420-2619 with the paper's 2,420 / 200 lists).
 The lists are, when given (`train_list` / `test_list`: JSON files of {"task_type": <game folder>,

@@ -1,4 +1,4 @@
-"""The environment protocol every family implements (ARCHITECTURE "Env protocol", SPEC 5).
+"""The environment protocol every family implements (docs/architecture.md "Env protocol", method §5).
 
 One class per family carries two sides:
 - the *static* side, used by the rollout loop in the trainer process: task pool and splits,
@@ -36,7 +36,7 @@ class EnvFamily(abc.ABC):
     """Base class of an environment family; one instance holds at most one live episode."""
 
     name: str = ""
-    # Rounds per episode for training rollouts and for evaluation (SPEC 5).
+    # Rounds per episode for training rollouts and for evaluation (method §5).
     max_rounds: dict[str, int] = {"train": 20, "eval": 30}
     # Observation returned for an action the environment cannot execute or parse.
     invalid_action_message: str = "Nothing happens."
@@ -108,7 +108,7 @@ class EnvFamily(abc.ABC):
 
     @abc.abstractmethod
     def success(self, score: float, done: bool, info: dict[str, Any]) -> bool:
-        """Success label Y of an episode's final step (SPEC 5)."""
+        """Success label Y of an episode's final step (method §5)."""
 
     # ---- live side -----------------------------------------------------------------------
     def reset(self, task_id: int, max_rounds: int | None = None) -> tuple[str, dict[str, Any]]:

@@ -278,7 +278,7 @@ class BuiltinEnv(EnvFamily):
     max_rounds = {"train": 15, "eval": 20}
     invalid_action_message = INVALID
     # a reply is the bare action line: the acting turns then share the format of CoPE's forecasting
-    # targets (SPEC 3: the action strings, one per line), so a small policy learns one format, not two
+    # targets (method §3.1: the action strings, one per line), so a small policy learns one format, not two
     reply_format = "{action}"
     idle_action = "look"  # costs a round, changes nothing (demonstrations may dawdle with it)
 

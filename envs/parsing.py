@@ -1,9 +1,9 @@
-"""Extract the action from a model reply (SPEC 5, paper appendix C).
+"""Extract the action from a model reply (method §5, paper appendix C).
 
 The standing instructions ask for `Thought: ... Action: ...` (ReAct), or `Action: ...` alone; models
 also answer with a bare action line or wrap the action in a ``` code block (AppWorld's actions *are*
 code blocks). One parser covers all of them so every family reads replies the same way, and the
-string it returns is exactly what the forecasting targets are built from (SPEC 3).
+string it returns is exactly what the forecasting targets are built from (method §3).
 
 Rules, in order:
 1. The last `Action:` marker (also `ACTION:`) wins; its action is the rest of that line, or, when

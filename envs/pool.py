@@ -71,7 +71,7 @@ class EnvResult:
     observation: str = ""
     score: float = 0.0                         # raw environment score (last known on error)
     done: bool = False
-    success: bool = False                      # the label Y (SPEC 5), meaningful when done
+    success: bool = False                      # the label Y (method §5), meaningful when done
     info: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
     reason: str = ""

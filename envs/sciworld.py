@@ -1,6 +1,6 @@
 """ScienceWorld (the `scienceworld` package, a Scala simulator behind a py4j gateway).
 
-Task pool (SPEC 5, paper appendix A.3): the 30 task types minus 5-1, 5-2, 9-1, 9-2, 9-3, 10-1,
+Task pool (method §5, paper appendix A.3): the 30 task types minus 5-1, 5-2, 9-1, 9-2, 9-3, 10-1,
 10-2, every variation of the remaining 23, in the package's task order (tasks.json, i.e. "1-1",
 "1-2", ...) and variation order 0..n-1 -- the enumeration of AgentGym's server -- indexed by one
 running id: 4,639 (task, variation) pairs. The table below is the package's own task list and
@@ -22,7 +22,7 @@ Live side, built for throughput:
   moves, and `look around` is not one;
 - our own JVM launch with a capped heap (`-Xmx512m` by default), so four workers fit in memory.
 
-Y and score (SPEC 5): score is the simulator's 0..100 score (-100 when the task is failed, e.g. a
+Y and score (method §5): score is the simulator's 0..100 score (-100 when the task is failed, e.g. a
 wrong `focus on`; the episode then ends, as in the package); Y = done and score >= 100.
 The first observation is the task description followed by the output of `look around`
 (AgentGym's reset), so the goal arrives inside it (appendix C.3).

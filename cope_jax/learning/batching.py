@@ -15,7 +15,7 @@ examples built from them, and returns the packed mini-batches to optimize, in or
 loss terms its optimizer step uses:
 
 - The train batch is split into PPO mini-batches of whole rollout groups (`groups_per_minibatch`
-  tasks' worth; SPEC 2, Table 9), one optimizer step each.
+  tasks' worth; method §2.4, Table 9), one optimizer step each.
 - `af_mode='joint'` (default): a group's forecasting examples ride in its mini-batch and the step
   minimizes L_GRPO + lambda L_AF at once; the AF normalizer counts the mini-batch's groups. The
   examples hang as branches on their own trajectory's row where it has room (`example_segments`),

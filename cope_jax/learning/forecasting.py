@@ -1,4 +1,4 @@
-"""Action-forecasting (and success-filtered imitation) examples from successful trajectories (SPEC 3).
+"""Action-forecasting (and success-filtered imitation) examples from successful trajectories (method §3).
 
 Every example starts from a *prefix of the recorded token ids* of a successful episode, the history
 up to and including observation o_t (everything before the generation prompt of action t), so the
@@ -18,7 +18,7 @@ Decisions where the paper is silent (kept in one place, here):
   steps t whose own action a_t is a target (the request says "starting with the action you take
   right now"); the window a_t .. a_{t+K} is clamped at the episode end and filtered, never padded,
   and `{k}` is the number of targets that remain.
-- `skip_invalid` (the invalid-action filter of the paper's section 8, SPEC 3): an action the
+- `skip_invalid` (the invalid-action filter of the paper's section 8, method §3.4): an action the
   environment rejected (`Trajectory.rejected`, from its step info) is no target; each rejected
   target is *replaced by the next valid action of the episode*: the window from step t is the first
   K+1 valid actions at or after t, so it keeps K+1 targets where the episode has them, and a step

@@ -1,4 +1,4 @@
-"""Loss terms of GRPO, CoPE and the baselines (SPEC 2-4): pure functions on per-token arrays.
+"""Loss terms of GRPO, CoPE and the baselines (method §2-4): pure functions on per-token arrays.
 
 Exact aggregation by weights. Every term is a weighted sum over tokens, `sum_t w_t * l_t`, where the
 per-token weight `w_t` already contains the whole normalization (the aggregation mode's 1/T_i and
@@ -63,7 +63,7 @@ def sequence_token_weights(counts, mode: str, norm_length: float | None = None):
 
 def forecast_token_weights(example_weight, target_counts, num_groups: int,
                            normalization: str = "success_groups"):
-    """Per-token weight of each forecasting example's target tokens (SPEC 3).
+    """Per-token weight of each forecasting example's target tokens (method §3).
 
     example_weight [X]: 1 / max(1, |S_x|) of the source group. target_counts [X]: target tokens.
       success_groups (default): L_AF = sum_ex w * (mean target-token CE) / num_groups, with
@@ -88,7 +88,7 @@ def forecast_token_weights(example_weight, target_counts, num_groups: int,
 # -- terms ------------------------------------------------------------------------------------------
 def clipped_policy_loss(logp, old_logp, advantage, weight, *, clip_low: float = 0.2,
                         clip_high: float = 0.2, dual_clip: float | None = None):
-    """GRPO/PPO clipped surrogate (SPEC 2), verl semantics.
+    """GRPO/PPO clipped surrogate (method §2), verl semantics.
 
     r = exp(clip(logp - old_logp, -20, 20));
     l = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high));
@@ -116,7 +116,7 @@ def clipped_policy_loss(logp, old_logp, advantage, weight, *, clip_low: float = 
 
 
 def low_var_kl(logp, ref_logp, weight):
-    """k3 estimator of KL(pi || ref) (SPEC 2): k = ref - logp, exp(k) - k - 1, clamped to [-10, 10].
+    """k3 estimator of KL(pi || ref) (method §2): k = ref - logp, exp(k) - k - 1, clamped to [-10, 10].
 
     k itself is clamped to [-20, 20] first (verl), so exp cannot overflow.
     """
@@ -127,7 +127,7 @@ def low_var_kl(logp, ref_logp, weight):
 
 
 def entropy_bonus(entropy, weight):
-    """Aggregated entropy (positive); the objective subtracts `entropy_coef` times it (SPEC 2)."""
+    """Aggregated entropy (positive); the objective subtracts `entropy_coef` times it (method §2)."""
     value = jnp.sum(weight * entropy)
     return value, {"entropy": value}
 

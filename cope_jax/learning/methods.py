@@ -202,7 +202,7 @@ def get_method(name: str, horizon: int | None = None) -> MethodSpec:
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    """Loss hyperparameters (SPEC 2-4 defaults). Frozen: it is a static argument of the jitted step."""
+    """Loss hyperparameters (method §2-4 defaults). Frozen: it is a static argument of the jitted step."""
 
     clip_low: float = 0.2
     clip_high: float = 0.2

@@ -13,7 +13,7 @@ terms it optimizes (`cope_jax/learning/methods.py`). Inside one jitted function:
    whose weights were normalized over the whole mini-batch on the host, so the sum over
    micro-batches *is* the mini-batch loss and gradient: accumulation is exact, never an average of
    per-micro-batch means.
-3. optax: clip_by_global_norm(1.0) then AdamW (SPEC 2), through `nnx.Optimizer(model, tx, wrt=...)`
+3. optax: clip_by_global_norm(1.0) then AdamW (method §2), through `nnx.Optimizer(model, tx, wrt=...)`
    over every parameter, or under LoRA (`QwenConfig.lora`) over the adapters only: the frozen base
    weights enter the step as an input of their own, neither differentiated nor donated.
 
@@ -45,7 +45,7 @@ from models import sharding as shd
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW with global-norm clipping; SPEC 2 defaults (constant lr). `decay_steps` > 0: a short
+    """AdamW with global-norm clipping; method §2 defaults (constant lr). `decay_steps` > 0: a short
     linear warm-up, then cosine decay to `learning_rate * final_lr_fraction` at that step (the
     supervised warm start uses it). Otherwise `warmup_steps` > 0: a linear warm-up to a constant
     rate. A fresh AdamW state makes its first updates lr x sign(g) on every parameter (the second
@@ -91,7 +91,7 @@ def model_logprobs(model, batch: PackedBatch, cfg: LossConfig, *, with_entropy: 
 
 def _drift_sums(sampler_logp, old_logp, weight) -> dict:
     """|sampler_logp - old_logp| over the sampled tokens (weight > 0): the sampler / trainer
-    mismatch (SPEC 1), as additive sums and a max."""
+    mismatch (method §1), as additive sums and a max."""
     sampled = weight > 0
     diff = jnp.where(sampled, jnp.abs(sampler_logp - old_logp), 0.0)
     return {"sampler_drift_sum": diff.sum(), "sampler_drift_max": diff.max(initial=0.0),
@@ -327,7 +327,7 @@ class Learner:
     `train(minibatches, ref_model)` runs one train batch sampled from the current parameters: the
     old / reference log-probs of every mini-batch first (so `old_logp` is the rollout policy for
     all of them), then one optimizer step per mini-batch. `optimizer`: an `OptimizerConfig`
-    (clipping + AdamW, SPEC 2) or any optax transform.
+    (clipping + AdamW, method §2) or any optax transform.
     """
 
     def __init__(self, model, cfg: LossConfig,

@@ -1,6 +1,6 @@
 """One episode laid out in tokens as the rollout plays it, and the `Trajectory` it becomes.
 
-Token layout of an episode (SPEC 1), `P = <|im_start|>assistant\\n`:
+Token layout of an episode (method §1), `P = <|im_start|>assistant\\n`:
     [user: instruction] [assistant: acknowledgement] [user: o_0] P a_0 <|im_end|> \\n [user: o_1] P a_1 ...
 (a tool-calling family instead opens with its system message with the tools block, and its tool
 results are `tool` turns). Assistant content tokens are the sampler's ids; observations are

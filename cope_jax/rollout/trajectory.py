@@ -1,6 +1,6 @@
 """Host-side records of one episode (`Trajectory`) and one forecasting example (`ForecastExample`).
 
-Both hold token ids exactly as the model saw or produced them (SPEC 1): assistant content tokens
+Both hold token ids exactly as the model saw or produced them (method §1): assistant content tokens
 are the sampler's ids, observation text is encoded once when appended, nothing is re-tokenized for
 training. All per-token arrays are numpy and share the length of `tokens`; every mask marks the
 *token itself* (e.g. `action_mask[t] = 1` means token t was sampled), not the position predicting it.
@@ -49,7 +49,7 @@ class Trajectory:
     rejected:         per action, whether the environment rejected it (its step info's `invalid`:
                       unparseable, or not applicable in the state); the forecasting filter
                       `skip_invalid` reads it. Missing entries (an unanswered last action): False.
-    score, success:   raw environment score and the outcome Y (SPEC 5).
+    score, success:   raw environment score and the outcome Y (method §5).
     task_id, group_id: the task, and the rollout group (the n rollouts of one task in one batch).
     family:           sub-task family for per-family metrics.
     finish_reason:    why the episode ended ('done', 'max_rounds', 'context_full', 'env_error', ...).
@@ -117,7 +117,7 @@ class ForecastExample:
     tokens:      int32 [T]  history up to o_t, the planning request (or none for `sft_success`), and
                             the target assistant turn(s).
     target_mask: bool [T]   tokens that carry the loss (the target turns' content and `<|im_end|>`).
-    weight:      group normalization 1 / max(1, |S_x|) of the source trajectory's group (SPEC 3).
+    weight:      group normalization 1 / max(1, |S_x|) of the source trajectory's group (method §3).
     group_id:    the source trajectory's rollout group.
     source:      index of the source trajectory in the train batch it was built from.
     step:        the action step t whose history the example starts from.

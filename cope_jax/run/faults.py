@@ -3,7 +3,7 @@
 A fault says nothing about the policy, so it is neither a success nor a failure: `drop` takes those
 episodes out of a batch before anything learns from or reports on it (forecasting examples,
 advantages, the loss, success rates). Their group's statistics are computed over the episodes that
-finished; a group left with one episode is SPEC 2's group of one (A = Y); a group left with none
+finished; a group left with one episode is method §2.1's group of one (A = Y); a group left with none
 contributes nothing. Every fault is counted per reason (`FaultReport.record`: the step record,
 TensorBoard, the progress bar) and logged once per worker and reason. A batch where more than
 `max_fraction` of the episodes faulted raises `FaultError` instead of training or evaluating on the

@@ -1,6 +1,6 @@
 """Run metrics: episode summaries (Score, Succ, per family, Avg@k), the metrics log, and plots.
 
-Definitions (paper B.4, SPEC 5): Score = mean raw environment score, Succ = mean success label Y,
+Definitions (paper appendix B.4, method §5.4): Score = mean raw environment score, Succ = mean success label Y,
 both per sub-task family and overall. The overall is count-weighted over all episodes, except for
 families that declare `overall = "family-mean"` (tau2: the unweighted mean of its domains). With k
 samples per task, Avg@k is the mean over all k x tasks episodes (= the mean of per-sample means).

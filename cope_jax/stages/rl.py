@@ -1,6 +1,6 @@
 """The RL stage of the configured method.
 
-One RL step (SPEC 2-4):
+One RL step (method §2-4):
   1. take the next `tasks_per_step` train tasks from a seeded, checkpointed grain iterator;
   2. roll out `group_size` episodes per task (`cope_jax/rollout/runner.py`; group = the rollouts of a task);
   3. build forecasting / imitation examples from the successful ones when the method has them

@@ -34,7 +34,7 @@ def warmstart(parts: Components, progress: bool = False) -> dict[str, Any] | Non
         nnx.update(parts.model, nnx.state(loaded, nnx.Param))  # the base weights; adapters stay fresh
         return None
     demos = _demonstrations(parts)
-    # optional: forecasting examples (SPEC 3's planning format, from the demonstrations, which
+    # optional: forecasting examples (method §3.1's planning format, from the demonstrations, which
     # all succeed) teach the format before RL; without them a small policy's first CoPE steps
     # learn it from scratch, which can fight its acting format when the two differ
     n_af = ws.af_examples

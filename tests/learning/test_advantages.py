@@ -1,4 +1,4 @@
-"""GRPO / ProGPO advantages and the CoPE group weights, against hand-computed values (SPEC 2-4)."""
+"""GRPO / ProGPO advantages and the CoPE group weights, against hand-computed values (method §2-4)."""
 import numpy as np
 import pytest
 

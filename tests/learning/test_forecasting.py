@@ -1,4 +1,4 @@
-"""Forecasting / success-filtered imitation examples (SPEC 3), table-driven."""
+"""Forecasting / success-filtered imitation examples (method §3), table-driven."""
 import numpy as np
 import pytest
 
@@ -123,7 +123,7 @@ def _windows(actions, rejected, horizon, kind="plan"):
 
 
 def test_rejected_targets_are_refilled_with_the_next_valid_action():
-    """SPEC 3 / section 8: each rejected target is replaced by the next valid action of the episode;
+    """method §3.4 / the paper's section 8: each rejected target is replaced by the next valid action of the episode;
     a step whose own action was rejected keeps its example with the refilled target."""
     acts = ["go north", "fly", "take key", "go south", "dance"]  # a_1 and a_4 (the last) rejected
     # K=0: the rejected a_1 -> a_2; the rejected last action has no valid action after it

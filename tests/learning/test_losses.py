@@ -1,4 +1,4 @@
-"""Loss terms and aggregation weights against hand-computed values (SPEC 2-4)."""
+"""Loss terms and aggregation weights against hand-computed values (method §2-4)."""
 import jax
 import jax.numpy as jnp
 import numpy as np

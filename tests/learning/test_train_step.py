@@ -112,7 +112,7 @@ def reference_loss_and_grads(params, coef, adv, old, ref):
 
 
 def reference_coefficients(spec, cfg, traj_ids, example_ids, group_traj_ids=None):
-    """[S, 6] weights of the token sums: SPEC 2-4 written out literally for one mini-batch whose
+    """[S, 6] weights of the token sums: method §2-4 written out literally for one mini-batch whose
     trajectory rows are `traj_ids`; the AF normalizer counts the groups of `group_traj_ids`
     (default: traj_ids)."""
     coef = np.zeros((len(SEQS), 6))

@@ -1,4 +1,4 @@
-"""The rollout loop on the built-in environment: token-exact trajectories (SPEC 1)."""
+"""The rollout loop on the built-in environment: token-exact trajectories (method §1)."""
 import jax
 import numpy as np
 import pytest

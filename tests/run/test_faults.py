@@ -35,7 +35,7 @@ def test_faults_leave_the_batch_counted_by_reason_and_warned_per_worker(caplog):
 
 
 def test_a_group_keeps_its_statistics_over_the_episodes_that_finished():
-    """Group 0 loses its failure to a crash: the success left alone is SPEC 2's group of one
+    """Group 0 loses its failure to a crash: the success left alone is method §2.1's group of one
     (A = Y = 1), not a success beside a 'failure' (A = +0.71)."""
     batch = [_traj(0, True), _traj(0, False, "env_crashed", 7), _traj(1, True), _traj(1, False)]
     kept, _ = faults.drop(batch, max_fraction=0.5)
