@@ -42,7 +42,10 @@ def run(main: Callable[[list[str]], None]) -> None:
     """`app.run(main)`, with refusals (flag errors included) as one line on stderr and exit status 1.
     First the process restarts itself once with huge pages for XLA's buffers (`launch.huge_pages`)."""
     huge_pages.reexec()
-    name = os.path.basename(sys.argv[0]).removesuffix(".py") if sys.argv and sys.argv[0] else "launch"
+    path = sys.argv[0] if sys.argv and sys.argv[0] else "launch"
+    name = os.path.basename(path).removesuffix(".py")
+    if name == "__main__":  # a package's binary (python -m launch.accept): the package names it
+        name = os.path.basename(os.path.dirname(path))
     verbose = "--verbose" in sys.argv[1:]
 
     def parse(argv):

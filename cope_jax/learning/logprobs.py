@@ -26,7 +26,7 @@ variant, kept as the benchmark reference.
 
 Chunk size trade-off: the live set is ~3 [chunk_tokens, V] float32 blocks plus the [V, E] float32
 gradient accumulator, which is read and written once per chunk. 512 tokens keeps the logits path
-of a 16k-token step of Qwen2.5-0.5B (V = 151,936) under 1.5 GB (launch/bench_loss.py); on
+of a 16k-token step of Qwen2.5-0.5B (V = 151,936) under 1.5 GB (launch/bench/loss.py); on
 accelerators with memory to spare, larger chunks cut the accumulator traffic.
 
 Gradients of the two outputs:  d logp / dz = onehot(target) - p;  d H / dz = -p (z - E_p[z]),

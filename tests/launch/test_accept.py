@@ -4,7 +4,7 @@ import json
 import os
 import subprocess
 import sys
-from launch.accept_report import SECTIONS
+from launch.accept.report import SECTIONS
 from tests.paths import ROOT
 
 
@@ -79,7 +79,8 @@ def test_an_unknown_topology_is_one_line(tmp_path):
 
 
 def test_the_train_section_falls_back_to_the_largest_preset_that_fits(monkeypatch):
-    from launch import accept_device, accept_train
+    from launch.accept import device as accept_device
+    from launch.accept import train as accept_train
 
     path, overrides, _ = accept_train.SIZES["tiny"]
     monkeypatch.setitem(accept_train.SIZES, "probe", (path, overrides, ("Qwen2.5-7B-Instruct", None)))

@@ -7,7 +7,7 @@ import os
 import pytest
 from absl import flags
 
-from launch import bench_ablation as ab
+from launch.experiments import ablation as ab
 from tests.paths import ROOT
 
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from launch import bench_loss
+from launch.bench import loss as bench_loss
 from tests.paths import ROOT
 
 

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from envs.pool import EnvPool
-from launch.bench_rollout import _cpu_s
+from launch.bench.rollout import _cpu_s
 from tests.paths import ROOT
 
 SMALL = ["--suite=rollout", "--rollout_families=builtin", "--rollout_episodes=4", "--rollout_rounds=2",

@@ -1,4 +1,4 @@
-"""`launch.fit_table`: the README's fit table from planner records, and the claim that lets one row
+"""`launch.experiments.fit_table`: the README's fit table from planner records, and the claim that lets one row
 stand for sciworld, alfworld and webshop."""
 import json
 import os
@@ -10,7 +10,7 @@ import pytest
 from configs import alfworld, sciworld, webshop
 from cope_jax.plan import programs, targets
 from cope_jax.run import run_config
-from launch import fit_table
+from launch.experiments import fit_table
 from tests.paths import ROOT
 from tests.plan.test_plan import TINY, _records, _run
 
@@ -20,7 +20,9 @@ TINY_MODEL = dict(init="random", preset="", family="qwen3", hidden_size=64, inte
 
 def test_sciworld_alfworld_and_webshop_plan_to_the_same_programs():
     """Each program of the three paper configs lowers to the same text (on a small model: the
-    paper's row length, window, batch and mesh; only the architecture is smaller)."""
+    paper's row length, window, batch and mesh; only the architecture is smaller), but the first
+    turn's prompt prefill, which is ALFWorld's over its shorter prompts (1,024 tokens, not 2,048):
+    no larger than the others', so sciworld's stands for it."""
     target = targets.get_target("v5p-8")
     devices = targets.devices(target)
     lowered = {}
@@ -34,6 +36,9 @@ def test_sciworld_alfworld_and_webshop_plan_to_the_same_programs():
     assert set(first) == {"train_step", "logprobs", *programs.SAMPLER_PROGRAMS}
     for other in rest:
         for name in first:
+            if name == "prefill@group" and other is lowered[alfworld.__name__]:
+                assert (other[name][0], first[name][0]) == ("16 x 512 into 1024", "16 x 512 into 2048")
+                continue
             assert other[name] == first[name], name
 
 
@@ -87,12 +92,12 @@ def test_the_docs_show_the_committed_records():
     assert fit_table.splice(doc, tables) == doc
     assert f"{fit_table.BEGIN}\n{tables}{fit_table.END}" in doc
     assert "not planned yet" not in tables
-    with pytest.raises(ValueError, match="expected one '<!-- launch.fit_table: begin -->' line"):
+    with pytest.raises(ValueError, match="expected one '<!-- launch.experiments.fit_table: begin -->' line"):
         fit_table.splice("no markers", tables)
 
 
 def test_a_bad_cell_filter_is_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "launch.fit_table", f"--out={tmp_path}", "--cells=nothing-here"],
+    proc = subprocess.run([sys.executable, "-m", "launch.experiments.fit_table", f"--out={tmp_path}", "--cells=nothing-here"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [

@@ -47,7 +47,7 @@ def loss_and_grads(model, batch, loss_cfg):
 
 def main():
     assert jax.config.jax_enable_x64, "run with JAX_ENABLE_X64=1"
-    from launch import bench_loss
+    from launch.bench import loss as bench_loss
     from models import attention as attn
     from models import linear, qwen
 

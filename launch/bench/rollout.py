@@ -118,6 +118,15 @@ class ReplayPool:
     def outstanding(self) -> int:
         return len(self._ready)
 
+    def can_progress(self) -> bool:
+        return bool(self._ready)
+
+    def quiet_limit(self) -> float:
+        return 0.0  # every call is answered at once
+
+    def describe(self) -> str:
+        return f"recorded results of {len(self._trajs)} episodes, {len(self._ready)} not yet polled"
+
     def has_slot(self, episode) -> bool:
         return episode in self._where
 

@@ -8,16 +8,16 @@ run cut short keeps what it measured) and `<out>/accept.md` (the table:
 measured, predicted, ratio). It exits 0 even when a check falls short: the table says which.
 
 Sections (`--sections`):
-- attention (`launch/accept_attention.py`): every implementation the backend runs, on packed rows
+- attention (`launch/accept/attention.py`): every implementation the backend runs, on packed rows
   with segments and a forecasting tree: outputs and gradients against the reference, forward and
   forward+backward seconds against the roofline of the work the row needs, peak memory against the
   compiler's.
-- sampler (`launch/accept_sampler.py`): decode steps at batch 1, 8 and 64 and prefill of a random bf16
+- sampler (`launch/accept/sampler.py`): decode steps at batch 1, 8 and 64 and prefill of a random bf16
   model against the bytes / FLOPs they must move over the bandwidth / FLOP/s measured in the run.
-- train (`launch/accept_train.py`): one micro-batch of the RL train step on this machine's devices:
+- train (`launch/accept/train.py`): one micro-batch of the RL train step on this machine's devices:
   step time, peak memory and model FLOPs utilization beside the planner's prediction of the same
   program on the same devices.
-- rl (`launch/accept_rl.py`): one RL step of the built-in demo through the trainer's entry point:
+- rl (`launch/accept/rl.py`): one RL step of the built-in demo through the trainer's entry point:
   rollout and update seconds (no prediction: environments and host work included).
 
 `--topology=T` adds the train step planned for a `launch.plan` target (section `plan`): predicted
@@ -40,7 +40,7 @@ from collections.abc import Iterable
 from absl import flags
 
 from launch import cli
-from launch.accept_report import SECTIONS, Check, table
+from launch.accept.report import SECTIONS, Check, table
 from models.config import ConfigError
 
 # train first: on CPU its peak is the process's resident memory, which pages freed by an earlier
@@ -59,7 +59,7 @@ FLAGS = flags.FLAGS
 def device_summary() -> dict:
     import jax
 
-    from launch import accept_device
+    from launch.accept import device as accept_device
 
     d = jax.devices()[0]
     chip = accept_device.chip()
@@ -96,7 +96,10 @@ def main(argv):
 
         targets.get_target(FLAGS.topology)  # an unknown one fails before anything runs
     os.makedirs(FLAGS.out, exist_ok=True)
-    from launch import accept_attention, accept_rl, accept_sampler, accept_train
+    from launch.accept import attention as accept_attention
+    from launch.accept import rl as accept_rl
+    from launch.accept import sampler as accept_sampler
+    from launch.accept import train as accept_train
 
     runners = {"attention": accept_attention.run, "sampler": accept_sampler.run, "train": accept_train.run,
                "rl": accept_rl.run}

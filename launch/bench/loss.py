@@ -48,6 +48,8 @@ import time
 import numpy as np
 from absl import flags
 
+from launch import timing
+
 flags.DEFINE_list("loss_tokens", ["4096", "16384"], "Tokens per step.")
 flags.DEFINE_integer("loss_row_len", 2048, "Packed row length (attention scores are [rows, H, L, L]).")
 flags.DEFINE_integer("loss_layers", 24, "Decoder layers (24 = Qwen2.5-0.5B).")
@@ -110,21 +112,12 @@ def _max_run_bytes() -> float:
 
 
 def matmul_peak(dtype: str, emit: bool = True) -> float:
-    """Best-of-5 FLOP/s of an n x n matmul (n = 2048 on CPU, 8192 on accelerators)."""
+    """`timing.matmul_peak`, printed as a bench line unless `emit` is False."""
     import jax
-    import jax.numpy as jnp
-    n = 2048 if jax.default_backend() == "cpu" else 8192
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    times = []
-    for _ in range(5):
-        t = time.perf_counter()
-        f(a).block_until_ready()
-        times.append(time.perf_counter() - t)
-    flops = 2 * n ** 3 / min(times)
+
+    flops = timing.matmul_peak(dtype)
     if emit:
-        _emit(bench="loss", kind="matmul_peak", backend=jax.default_backend(), dtype=dtype, n=n,
+        _emit(bench="loss", kind="matmul_peak", backend=jax.default_backend(), dtype=dtype,
               tflops=round(flops / 1e12, 4))
     return flops
 

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from launch import accept_device
-from launch.accept_report import Check
+from launch import timing
+from launch.accept.report import Check
 
 # size -> (model preset or the tiny shape, batches, window, decode steps, bound array bytes); tiny decodes
 # 192 steps: its turn must outlast a 1-step turn by more than a loaded 2-core host's timing noise
@@ -29,7 +29,7 @@ WITHIN = 2.0  # a decode step within twice the bytes bound, a prefill within twi
 def run(*, size: str, repeats: int) -> Iterator[Check]:
     cfg = _model_config(size)
     shape, batches, window, steps, bound_bytes = SIZES[size]
-    bandwidth, flops = _bandwidth(bound_bytes, repeats), _matmul_flops(size, repeats)
+    bandwidth, flops = timing.read_bandwidth(bound_bytes, repeats), _matmul_flops(size, repeats)
     model = _model(cfg)
     name = shape if isinstance(shape, str) else f"{cfg.num_layers}-layer {cfg.hidden_size}-wide"
     yield Check("sampler", "HBM bandwidth bound (on-device reduction)", "B/s", bandwidth,
@@ -78,8 +78,8 @@ def _batch(model, cfg, name, batch, window, steps, bandwidth, flops, repeats) ->
     def turn(n):
         return lambda: sampler.generate(state, max_new_tokens=n, greedy=True)
 
-    prefill_s = accept_device.best_seconds(prefill, repeats)
-    one, many = (accept_device.best_seconds(turn(n), repeats, setup=prefill) for n in (1, steps))
+    prefill_s = timing.best_seconds(prefill, repeats)
+    one, many = (timing.best_seconds(turn(n), repeats, setup=prefill) for n in (1, steps))
     step_s = (many - one) / (steps - 1) if many > one else None  # the turn's fixed costs cancel
     weights = sum(a.nbytes for a in jax.tree.leaves(nnx.state(model, nnx.Param)))
     kv = 2 * cfg.num_layers * batch * (half + steps // 2) * cfg.num_kv_heads * cfg.head_dim * 2
@@ -95,16 +95,6 @@ def _batch(model, cfg, name, batch, window, steps, bandwidth, flops, repeats) ->
     ]
 
 
-def _bandwidth(nbytes: int, repeats: int) -> float:
-    """Bytes/s of a jitted sum over a bf16 array of `nbytes` (it reads each byte once)."""
-    import jax
-    import jax.numpy as jnp
-
-    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
-    total = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
-    return nbytes / accept_device.best_seconds(lambda: total(x), repeats)
-
-
 def _matmul_flops(size: str, repeats: int) -> float:
     import jax
     import jax.numpy as jnp
@@ -112,4 +102,4 @@ def _matmul_flops(size: str, repeats: int) -> float:
     n = 1024 if size == "tiny" else 8192
     a = jnp.ones((n, n), jnp.bfloat16)
     product = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
-    return 2 * n ** 3 / accept_device.best_seconds(lambda: product(a, a), repeats)
+    return 2 * n ** 3 / timing.best_seconds(lambda: product(a, a), repeats)

@@ -77,7 +77,7 @@ def run(argv: list[str]) -> None:
     workdir = FLAGS.convert_workdir or tempfile.mkdtemp(prefix="cope_bench_convert_")
     hf_dir, orbax_dir, back_dir = (os.path.join(workdir, n) for n in ("hf", "orbax", "hf_back"))
     python = sys.executable
-    setup = _measure([python, "-c", "import sys; from launch.bench_convert import write_random_model; "
+    setup = _measure([python, "-c", "import sys; from launch.bench.convert import write_random_model; "
                       "write_random_model(sys.argv[1], int(sys.argv[2]))", hf_dir, str(FLAGS.convert_layers)])
     params = setup["summary"]["params"]
     weights = _dir_bytes(hf_dir)

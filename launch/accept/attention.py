@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from launch import accept_device
-from launch.accept_report import Check
-from launch.bench_attention import implementations, packed_ids
+from launch import timing
+from launch.accept import device as accept_device
+from launch.accept.report import Check
+from launch.bench.attention import implementations, packed_ids
 
 SIZES = {"tiny": dict(tokens=(512, 1024), heads=4, kv_heads=2, head_dim=64),
          "full": dict(tokens=(4096, 16384, 32768), heads=8, kv_heads=2, head_dim=128)}
@@ -130,7 +131,7 @@ def _run(name: str, fwd, grad, repeats: int, needed: dict):
     after = accept_device.peak_bytes_in_use()
     checks = []
     for what, compiled in (("forward", f), ("forward+backward", g)):
-        seconds = accept_device.best_seconds(lambda: compiled(*args), repeats)
+        seconds = timing.best_seconds(lambda: compiled(*args), repeats)
         predicted = accept_device.roofline_s(*needed[what])
         checks.append(Check("attention", f"{name} {what}", "s", seconds, predicted,
                             within=None if predicted is None else TIME_WITHIN,

@@ -11,7 +11,7 @@ import json
 import os
 import tempfile
 
-from launch.accept_report import Check
+from launch.accept.report import Check
 
 
 def run(*, size: str, repeats: int) -> list[Check]:
@@ -19,7 +19,7 @@ def run(*, size: str, repeats: int) -> list[Check]:
     the first (a second would double the section's minutes)."""
     del repeats
     from cope_jax.stages.runs import train_run
-    from launch.accept_train import load_config
+    from launch.accept.train import load_config
 
     steps = 1 if size == "tiny" else 2
     c = load_config("configs/demo.py")

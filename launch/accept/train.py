@@ -12,8 +12,8 @@ from __future__ import annotations
 import threading
 import time
 
-from launch import accept_device
-from launch.accept_report import Check
+from launch.accept import device as accept_device
+from launch.accept.report import Check
 
 # size -> (config, overrides, model presets, largest first: the first whose step fits the device;
 # None: the config's own random model)

@@ -1,6 +1,6 @@
 """python -m launch.bench --suite=NAME [suite flags]: machine-readable benchmark lines (JSON).
 
-Each suite lives in its own module `launch/bench_<suite>.py` exposing `run(argv: list[str]) -> None`,
+Each suite lives in its own module `launch/bench/<suite>.py` exposing `run(argv: list[str]) -> None`,
 which prints one JSON object per line, each next to the reference it is compared with in the same run.
 """
 from __future__ import annotations
@@ -13,13 +13,13 @@ from absl import flags
 from launch import cli, huge_pages
 
 SUITES = {
-    "sampler": "launch.bench_sampler",
-    "loss": "launch.bench_loss",
-    "envs": "launch.bench_envs",
-    "convert": "launch.bench_convert",
-    "rollout": "launch.bench_rollout",
-    "attention": "launch.bench_attention",
-    "ablation": "launch.bench_ablation",
+    "sampler": "launch.bench.sampler",
+    "loss": "launch.bench.loss",
+    "envs": "launch.bench.envs",
+    "convert": "launch.bench.convert",
+    "rollout": "launch.bench.rollout",
+    "attention": "launch.bench.attention",
+    "ablation": "launch.experiments.ablation",
 }
 
 flags.DEFINE_enum("suite", None, sorted(SUITES), "Which benchmark suite to run.")

@@ -1,4 +1,4 @@
-"""python -m launch.fit_table --out=DIR [--cells=SUBSTRING,...] [--render_only] [--force]
+"""python -m launch.experiments.fit_table --out=DIR [--cells=SUBSTRING,...] [--render_only] [--force]
 
 The README's fit table, reproducible: plans every cell (a paper config on a target, full fine-tuning
 or LoRA rank 64) with `launch.plan --mesh=auto --nocost --json`, one process per cell, and writes
@@ -42,7 +42,7 @@ GIB = float(1 << 30)
 # cells planned on a given mesh instead of the search: the TPU compiler of the pinned jax aborts
 # (LLVM: "Not enough space for TILESPMEM spill") on tau2's train step at 1x8x1, the search's first
 MESHES = {"tau2-full-tpu7x-8": "1,4,2"}
-BEGIN, END = "<!-- launch.fit_table: begin -->", "<!-- launch.fit_table: end -->"
+BEGIN, END = "<!-- launch.experiments.fit_table: begin -->", "<!-- launch.experiments.fit_table: end -->"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -100,16 +100,10 @@ def _transformers(torch_model, prompts: np.ndarray, new_tokens: int, out: dict) 
 
 def _limits(weight_bytes: int) -> tuple[float, float]:
     """(read bytes/s, float32 matmul FLOP/s) of this host now, each the best of 5."""
-    import jax
-    import jax.numpy as jnp
-
-    from launch.accept_device import best_seconds
-    from launch.bench_loss import matmul_peak
+    from launch import timing
 
     nbytes = max(weight_bytes, 1 << 28)  # memory's bandwidth, not the caches' (tiny weights fit those)
-    x = jnp.ones((nbytes // 4,), jnp.float32)
-    total = jax.jit(jnp.sum)
-    return nbytes / best_seconds(lambda: total(x), 5), matmul_peak("float32", emit=False)
+    return timing.read_bandwidth(nbytes), timing.matmul_peak("float32")
 
 
 def _bound(limits: list[tuple[float, float]], weight_bytes: int, params: int, batch: int) -> dict:

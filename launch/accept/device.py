@@ -4,7 +4,6 @@ memory)."""
 from __future__ import annotations
 
 import os
-import time
 
 # the runtime's device_kind -> the planner's chip (cope_jax/plan/targets.py: CHIPS)
 KINDS = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5p": "v5p", "TPU v5": "v5p",
@@ -39,21 +38,6 @@ def compiled_peak_bytes(compiled) -> int:
     """What the compiler lays out for one call: arguments, new outputs and temporaries."""
     m = compiled.memory_analysis()
     return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-
-
-def best_seconds(call, repeats: int, setup=lambda: None) -> float:
-    """Best wall time of `call()` (its result waited for) over `repeats` calls after a first one
-    (it compiles), each after an untimed `setup()`."""
-    import jax
-
-    best = float("inf")
-    for r in range(max(1, repeats) + 1):
-        setup()
-        t = time.perf_counter()
-        jax.block_until_ready(call())
-        if r:
-            best = min(best, time.perf_counter() - t)
-    return best
 
 
 def peak_bytes_in_use() -> int | None:
