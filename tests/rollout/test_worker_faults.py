@@ -198,3 +198,26 @@ def test_a_pool_that_cannot_progress_is_one_line_naming_where_each_call_is(parts
     assert "\n" not in message and message.startswith("rollout stalled: 1 episodes live, nothing to decode")
     assert "(none can arrive)" in message and "(chaos, idle, 2/2 slots held)" in message
     assert message.endswith("1 resets waiting for a slot")
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["lockstep", "async"])
+def test_replays_are_not_starved_by_the_next_batchs_prefetched_resets(parts, hard_stop, sync):
+    """Four slots, this batch's four episodes in them and the next batch's four resets queued behind:
+    a worker lost while its episodes sit idle frees two slots, which the queued prefetch takes before
+    the replays are submitted. The prefetch is released so the replays run (before, the run waited
+    forever), and the next batch resets afresh."""
+    chat, sampler = parts
+    tasks = FAMILY.task_ids("train")
+    batch = [(tasks[i // 2], i // 2) for i in range(4)]
+    with EnvPool({"chaos": 2}, envs_per_worker=2, call_timeout=CALL_TIMEOUT, specs=SPECS) as pool:
+        runner = RolloutRunner(sampler, pool, "chaos", FAMILY, chat,
+                               RolloutConfig(max_rounds=2, max_turn_tokens=4, sync=sync))
+        signaller = Signaller(pool, "idle_episodes", signal.SIGKILL)
+        signaller.start()
+        trajs, stats = runner.run(batch, jax.random.key(0), prefetch=batch)
+        signaller.stop.set()
+        signaller.join()
+        assert signaller.hit and stats.replays >= 1
+        assert [t.finish_reason for t in trajs if t.finish_reason.startswith("env_")] == []
+        more, _ = runner.run(batch, jax.random.key(1))
+        assert len(more) == 4 and not [t for t in more if t.finish_reason.startswith("env_")]
