@@ -14,11 +14,8 @@ slices straight into place and casts to the requested dtype on the way.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import sys
-import tempfile
 import time
 
 import jax
@@ -26,7 +23,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from models import hf_io, model_dir, qwen
+from models import hf_io, model_dir, native_stderr, qwen
 from models import sharding as shd
 from models.config import QwenConfig
 from models.safetensors_io import CheckpointError
@@ -188,26 +185,8 @@ def _drain(held) -> None:
             size, last_change = now, time.monotonic()
 
 
-@contextlib.contextmanager
 def without_closed_loop_noise():
     """Standard error of a restore, less TensorStore's 'Event loop is closed' tracebacks: when a
     read fails, Orbax closes its asyncio loop while other reads are in flight, and each of those
     prints one from TensorStore's own threads (not through Python's hooks, so fd 2 is held)."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as held:
-        os.dup2(held.fileno(), 2)
-        try:
-            yield
-        except Exception:
-            _drain(held)
-            raise
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            held.seek(0)
-            kept = drop_closed_loop_noise(held.read().decode("utf-8", "replace"))
-            if kept:
-                sys.stderr.write(kept)
-                sys.stderr.flush()
+    return native_stderr.held(lambda text, failed: drop_closed_loop_noise(text), drain=_drain)

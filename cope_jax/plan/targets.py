@@ -15,11 +15,11 @@ memory (0.75 by default), and the GPU compiler checks nothing, so the planner co
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import sys
-import tempfile
+
+from models import native_stderr
 from models.config import ConfigError
 
 GIB = 1 << 30
@@ -138,7 +138,8 @@ def devices(target: Target) -> list:
 
     # compiling only: other processes (a second planner, test workers) may load the TPU runtime too
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    with _quiet_stderr():  # the runtimes log that this host has no TPU / GPU
+    # the runtimes log that this host has no TPU / GPU: shown only if the call fails
+    with native_stderr.held(lambda text, failed: text if failed else ""):
         jax.devices()  # loads every installed runtime (logging) now rather than at the first compile
         if target.platform == "tpu":
             topo = topologies.get_topology_desc(
@@ -188,19 +189,3 @@ def _host_bounds(target: Target) -> tuple[int, int, int]:
     return (2, 4, 1) if target.chips_per_host // target.chip.cores == 8 else (2, 2, 1)
 
 
-@contextlib.contextmanager
-def _quiet_stderr():
-    """Hides what native code writes to stderr meanwhile, unless the block fails."""
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as log:
-        os.dup2(log.fileno(), 2)
-        try:
-            yield
-        except BaseException:
-            os.dup2(saved, 2)
-            log.seek(0)
-            os.write(2, log.read())
-            raise
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
