@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 from pathlib import Path
 from typing import Any
 
@@ -225,29 +224,3 @@ def planner_plan(game_file: str | Path) -> list[str]:
                        expert_type=AlfredExpertType.PLANNER)
     env.load(str(game_file))
     return list(env.reset()["extra.expert_plan"])
-
-
-def make_game_file(trial_dir: str | Path, seed: int = 0) -> bool:
-    """Write `game.tw-pddl` for an ALFRED trial folder (traj_data.json + initial_state.pddl), as
-    `alfworld-generate` does: the package's PDDL domain, its grammar with the templated goal, the
-    problem, and the planner's walkthrough; returns whether the game is solvable."""
-    from alfworld.agents.utils.misc import add_task_to_grammar
-    from alfworld.info import ALFRED_PDDL_PATH, ALFRED_TWL2_PATH
-    trial = Path(trial_dir)
-    with open(trial / "traj_data.json") as f:
-        traj = json.load(f)
-    random.seed(seed)  # the goal template is drawn with the global RNG inside alfworld
-    game = {"pddl_domain": Path(ALFRED_PDDL_PATH).read_text(),
-            "grammar": add_task_to_grammar(Path(ALFRED_TWL2_PATH).read_text(), traj,
-                                           rng=random.Random(seed)),
-            "pddl_problem": (trial / "initial_state.pddl").read_text(),
-            "solvable": None, "walkthrough": None}
-    path = trial / "game.tw-pddl"
-    path.write_text(json.dumps(game))
-    try:
-        plan = planner_plan(path)
-    except Exception:  # noqa: BLE001 - the planner found no plan: an unsolvable game
-        plan = None
-    game["walkthrough"], game["solvable"] = plan, bool(plan)
-    path.write_text(json.dumps(game))
-    return game["solvable"]

@@ -310,13 +310,6 @@ class BuiltinEnv(EnvFamily):
         """The expert's demonstration for a task (deterministic)."""
         return expert_actions(generate_task(int(task_id)))
 
-    @staticmethod
-    def action_space(task_id: int | None = None) -> list[str]:
-        """Every action of the grammar (for random baselines and tests)."""
-        acts = [f"go {d}" for d in DIRS] + [f"take {o}" for o in ITEMS] + ["open door", "look"]
-        acts += [f"put {o} in {c}" for o in ITEMS for c in CONTAINERS]
-        return acts
-
     # ---- live side -----------------------------------------------------------------------
     def _milestones(self) -> tuple[str, ...]:
         fam = self._task.family

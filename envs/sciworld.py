@@ -190,11 +190,6 @@ class SciWorldEnv(EnvFamily):
     def _current_score(self) -> float:
         return self._score
 
-    def max_variations(self, task_name: str) -> int:
-        """The simulator's variation count of a task type (to check TASKS against the package)."""
-        self._open()
-        return int(self._server.getTaskMaxVariations(task_name))
-
     def gold_actions(self, task_id: int) -> list[str]:
         """The simulator's gold action sequence for a task (loads the task; for tests/demos)."""
         self._load(task_id, gold=True)

@@ -67,20 +67,6 @@ SPLIT_IDS = {"train": tuple(i for i, test in enumerate(_IS_TEST) if not test),
              "test": tuple(i for i, test in enumerate(_IS_TEST) if test)}
 
 
-def loader_table() -> dict[str, dict[str, list]]:
-    """The id table computed from the package's loaders (needs tau2; for tests/regeneration)."""
-    out = {}
-    for domain in DOMAINS:
-        load = _registry().get_tasks_loader(domain)
-        test = {t.id for t in load("test")}
-        train = {t.id for t in load("train")}
-        ids = [t.id for t in load("base")]
-        if set(ids) != test | train or test & train:
-            raise ValueError(f"tau2 {domain}: train/test do not partition base")
-        out[domain] = {"ids": ids, "test": [i in test for i in ids]}
-    return out
-
-
 def first_tool_call(reply: str) -> str | None:
     """The first `<tool_call>...</tool_call>` block of a reply, verbatim (an unterminated last
     block runs to the end of the reply)."""
@@ -162,7 +148,7 @@ class Tau2Env(EnvFamily):
         """tau2's registry, orchestrator and user classes: seconds of imports, once per worker."""
         from envs.tau2_users import _classes
         from tau2.orchestrator.orchestrator import Orchestrator  # noqa: F401
-        _registry()
+        tau2_registry()
         _agent_class()
         _classes()
 
@@ -201,13 +187,13 @@ class Tau2Env(EnvFamily):
     # ---- live side -----------------------------------------------------------------------
     @staticmethod
     def _environment(domain: str):
-        return _registry().get_env_constructor(domain)()
+        return tau2_registry().get_env_constructor(domain)()
 
     def load_task(self, task_id: int):
         """The tau2 Task object of a running id."""
         domain, tid = POOL[int(task_id)]
         if domain not in self._tasks:
-            self._tasks[domain] = {t.id: t for t in _registry().get_tasks_loader(domain)("base")}
+            self._tasks[domain] = {t.id: t for t in tau2_registry().get_tasks_loader(domain)("base")}
         if tid not in self._tasks[domain]:
             raise KeyError(f"tau2 {domain} task {tid!r} not found in the installed package")
         return self._tasks[domain][tid].model_copy(deep=True)
@@ -303,7 +289,7 @@ class Tau2Env(EnvFamily):
         self._orch = None
 
 
-def _registry():
+def tau2_registry():
     """tau2's registry, imported quietly: no model-cost fetch, tau2's debug log off."""
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     if not _QUIET:

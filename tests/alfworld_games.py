@@ -3,13 +3,14 @@
 ALFWorld's data (json_2.1.1, generated from ALFRED) cannot be downloaded here, so each test game
 is written as an ALFRED trial folder: `traj_data.json` (task type and pddl_params) and
 `initial_state.pddl` (a problem of the ALFRED PDDL domain, ALFRED's mangled object names, the goal
-from alfworld's own goal library), then turned into `game.tw-pddl` by envs.alfworld.make_game_file,
+from alfworld's own goal library), then turned into `game.tw-pddl` by make_game_file below,
 the `alfworld-generate` procedure (the package's grammar and planner).
 """
 
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 # Receptacle class -> ALFRED receptacle type (sink basins are `Sink|...|SinkBasin` objects).
@@ -58,7 +59,6 @@ def write_game(root: Path, split_dir: str, task_type: str, obj: str, recep: str 
                toggle: str = "", scene: int = 1, trial: str = "trial_T20190901_000000_000001"
                ) -> Path:
     """Write one trial folder under root/json_2.1.1/<split_dir>/ and its game file."""
-    from envs.alfworld import make_game_file
     folder = f"{task_type}-{obj}-None-{recep or toggle}-{scene}"
     trial_dir = Path(root) / "json_2.1.1" / split_dir / folder / trial
     trial_dir.mkdir(parents=True, exist_ok=True)
@@ -94,3 +94,32 @@ def write_dataset(root: Path) -> Path:
     for k, (tt, obj, recep, toggle) in enumerate(TEST_GAMES):
         write_game(root, "valid_train", tt, obj, recep, toggle, scene=k + 2)
     return root
+
+
+def make_game_file(trial_dir: str | Path, seed: int = 0) -> bool:
+    """Write `game.tw-pddl` for an ALFRED trial folder (traj_data.json + initial_state.pddl), as
+    `alfworld-generate` does: the package's PDDL domain, its grammar with the templated goal, the
+    problem, and the planner's walkthrough; returns whether the game is solvable."""
+    from alfworld.agents.utils.misc import add_task_to_grammar
+    from alfworld.info import ALFRED_PDDL_PATH, ALFRED_TWL2_PATH
+
+    from envs.alfworld import planner_plan
+
+    trial = Path(trial_dir)
+    with open(trial / "traj_data.json") as f:
+        traj = json.load(f)
+    random.seed(seed)  # the goal template is drawn with the global RNG inside alfworld
+    game = {"pddl_domain": Path(ALFRED_PDDL_PATH).read_text(),
+            "grammar": add_task_to_grammar(Path(ALFRED_TWL2_PATH).read_text(), traj,
+                                           rng=random.Random(seed)),
+            "pddl_problem": (trial / "initial_state.pddl").read_text(),
+            "solvable": None, "walkthrough": None}
+    path = trial / "game.tw-pddl"
+    path.write_text(json.dumps(game))
+    try:
+        plan = planner_plan(path)
+    except Exception:  # noqa: BLE001 - the planner found no plan: an unsolvable game
+        plan = None
+    game["walkthrough"], game["solvable"] = plan, bool(plan)
+    path.write_text(json.dumps(game))
+    return game["solvable"]

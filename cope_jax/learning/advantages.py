@@ -113,11 +113,6 @@ def successful_groups(success, group_ids) -> set[int]:
     return {int(g) for g in np.asarray(group_ids)[y > 0]}
 
 
-def groups_with_success(success, group_ids) -> int:
-    """Number of groups with at least one successful trajectory (the default AF normalizer)."""
-    return len(successful_groups(success, group_ids))
-
-
 def flat_groups(advantages, group_ids) -> set[int]:
     """The groups whose every advantage is zero: the policy term learns nothing from them (GRPO: all
     rewards equal, every episode of the task succeeded or every one failed)."""

@@ -160,10 +160,6 @@ class PackStats:
     truncated_sequences: int
     truncated_tokens: int
 
-    @property
-    def padding_fraction(self) -> float:
-        return 1.0 - self.tokens / max(1, self.rows * self.row_len)
-
 
 def first_fit_decreasing(lengths, capacity: int) -> list[list[int]]:
     """Bins of item indices; items sorted by length (descending, ties by index), each placed in

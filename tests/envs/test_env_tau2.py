@@ -9,12 +9,27 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 
 from envs.pool import EnvPool
-from envs.tau2 import (BAD_TOOL_CALL, DOMAINS, POOL, SPLIT_IDS, Tau2Env,
-                       gold_replies, load_table, loader_table, tool_call_text)
+from envs.tau2 import (BAD_TOOL_CALL, DOMAINS, POOL, SPLIT_IDS, Tau2Env, gold_replies, load_table,
+                       tau2_registry, tool_call_text)
 
 SIZES = {"retail": (74, 40), "airline": (30, 20), "telecom": (74, 40)}
 # Policy length (characters) and number of tools per domain, as measured in the paper (C.5.1).
 PAPER_PROMPTS = {"retail": (6699, 15), "airline": (7676, 14), "telecom": (23318, 13)}
+
+
+def loader_table() -> dict[str, dict[str, list]]:
+    """The id table computed from the package's own task loaders (what `envs/tau2.py` ships
+    precomputed; this recomputes it)."""
+    out = {}
+    for domain in DOMAINS:
+        load = tau2_registry().get_tasks_loader(domain)
+        test = {t.id for t in load("test")}
+        train = {t.id for t in load("train")}
+        ids = [t.id for t in load("base")]
+        if set(ids) != test | train or test & train:
+            raise ValueError(f"tau2 {domain}: train/test do not partition base")
+        out[domain] = {"ids": ids, "test": [i in test for i in ids]}
+    return out
 
 
 def _test_ids(domain, k):

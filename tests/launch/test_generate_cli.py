@@ -9,9 +9,9 @@ import torch
 
 import models
 from cope_jax.rollout.chat import ChatFormat
-from cope_jax.rollout.tokenizer import load_tokenizer, write_hf_tokenizer_dir
+from cope_jax.rollout.tokenizer import load_tokenizer
 from models.orbax_io import save_orbax
-from tests.hf_fixtures import make_tiny_hf
+from tests.hf_fixtures import make_tiny_hf, write_hf_tokenizer_dir
 from tests.paths import ROOT
 
 

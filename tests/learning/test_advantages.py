@@ -49,7 +49,7 @@ def test_forecast_weights_groups_with_0_1_3_successes():
     groups = [0, 0, 0, 1, 1, 1, 2, 2, 2]
     w = adv.forecast_weights(success, groups)
     np.testing.assert_allclose(w, [0, 0, 0, 1, 0, 0, 1 / 3, 1 / 3, 1 / 3], rtol=1e-6)
-    assert adv.groups_with_success(success, groups) == 2
+    assert adv.successful_groups(success, groups) == {1, 2}
 
 
 def test_bad_input_raises():

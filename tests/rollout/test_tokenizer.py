@@ -8,7 +8,8 @@ import transformers
 
 from cope_jax.rollout.chat import ChatFormat
 from cope_jax.rollout.tokenizer import (IM_END, IM_START, QwenTokenizer, TokenizerError, load_tokenizer,
-                                train_sentencepiece, write_hf_tokenizer_dir)
+                                train_sentencepiece)
+from tests.hf_fixtures import write_hf_tokenizer_dir
 from tests.paths import DATA
 
 CORPUS = [
