@@ -5,7 +5,7 @@ up to and including observation o_t (everything before the generation prompt of 
 history is never re-tokenized, and examples of one episode share it (`prefix_len`: the train step
 packs their histories once, as one tree; `cope_jax/learning/batching.py`). What follows depends on the kind:
 
-- 'plan' (CoPE): a user turn with the planning request of appendix C.6, then the realized actions
+- 'forecast' (CoPE): a user turn with the planning request of appendix C.6, then the realized actions
   a_t .. a_{t+K} as the target. ReAct layout: one assistant turn, one action per line.
   tool_calling layout (tau2): one assistant turn per action, separated by `Next action?` user turns
   that carry no loss.
@@ -57,7 +57,7 @@ TOOL_CALL_OPEN = "<tool_call>"
 
 @dataclasses.dataclass(frozen=True)
 class ForecastConfig:
-    kind: str = "plan"  # 'plan' | 'sft'
+    kind: str = "forecast"  # 'forecast' | 'sft'
     horizon: int = 2  # K: targets a_t .. a_{t+K}
     layout: str = "react"  # the family's chat_layout: 'react' | 'tool_calling'
     skip_invalid: bool = False  # refill rejected targets with the next valid action (module docstring)
@@ -65,8 +65,8 @@ class ForecastConfig:
     group_normalized: bool = True  # weight 1/max(1,|S_x|); False: 1 (ablation)
 
     def __post_init__(self):
-        if self.kind not in ("plan", "sft"):
-            raise ValueError(f"forecast kind must be 'plan' or 'sft', got {self.kind!r}")
+        if self.kind not in ("forecast", "sft"):
+            raise ValueError(f"forecast kind must be 'forecast' or 'sft', got {self.kind!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"forecast layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.horizon < 0:

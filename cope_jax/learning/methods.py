@@ -17,7 +17,7 @@ one weight array per term in use; `cope_jax/learning/train_step.py` sums `coeffi
 
 A method is a list of terms plus how their inputs are built: `advantage` picks the estimator
 (`advantages.py`), `forecast_kind` and `horizon` tell `forecasting.py` which examples
-to build ('plan': history up to o_t + planning request -> the K+1 realized actions; 'sft': history
+to build ('forecast': history up to o_t + planning request -> the K+1 realized actions; 'sft': history
 up to o_t -> the full assistant turn), `trajectories` which rollouts enter as trajectory rows.
 Nothing else in the code branches on a method's or a term's name. docs/architecture.md walks
 through adding a baseline.
@@ -138,7 +138,7 @@ def reported(metric: str, terms) -> bool:
 
 
 ADVANTAGES = ("grpo", "progpo")
-FORECAST_KINDS = ("plan", "sft")
+FORECAST_KINDS = ("forecast", "sft")
 AF_MODES = ("joint", "sequential")
 ZERO_VARIANCE = ("keep", "mask", "filter")
 
@@ -174,16 +174,16 @@ class MethodSpec:
 _POLICY = ("pg", "kl", "entropy")
 METHODS: dict[str, MethodSpec] = {m.name: m for m in [
     MethodSpec("grpo", _POLICY),
-    MethodSpec("cope", _POLICY + ("af",), forecast_kind="plan", horizon=2),
-    MethodSpec("cope_k0", _POLICY + ("af",), forecast_kind="plan", horizon=0),
+    MethodSpec("cope", _POLICY + ("af",), forecast_kind="forecast", horizon=2),
+    MethodSpec("cope_k0", _POLICY + ("af",), forecast_kind="forecast", horizon=0),
     MethodSpec("sft_success", _POLICY + ("af",), forecast_kind="sft", horizon=0),
     MethodSpec("echo", _POLICY + ("echo",)),
     MethodSpec("rft", ("rft",), advantage=None, trajectories="success"),
     MethodSpec("progpo", _POLICY, advantage="progpo"),
-    MethodSpec("cope+progpo", _POLICY + ("af",), advantage="progpo", forecast_kind="plan", horizon=2),
+    MethodSpec("cope+progpo", _POLICY + ("af",), advantage="progpo", forecast_kind="forecast", horizon=2),
     # the supervised warm start on expert demonstrations (all successful): imitation of their actions
     # plus, with `warmstart.af_examples`, forecasting examples in the planning format
-    MethodSpec("warmstart", ("af", "rft"), advantage=None, forecast_kind="plan", horizon=2,
+    MethodSpec("warmstart", ("af", "rft"), advantage=None, forecast_kind="forecast", horizon=2,
                trajectories="success"),
 ]}
 
@@ -194,7 +194,7 @@ def get_method(name: str, horizon: int | None = None) -> MethodSpec:
         raise ValueError(f"unknown method {name!r}; expected one of {sorted(METHODS)}")
     spec = METHODS[name]
     if horizon is not None:
-        if spec.forecast_kind != "plan":
+        if spec.forecast_kind != "forecast":
             raise ValueError(f"method {name!r} has no forecasting horizon to override")
         spec = dataclasses.replace(spec, horizon=int(horizon))
     return spec

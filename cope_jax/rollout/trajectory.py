@@ -121,7 +121,7 @@ class ForecastExample:
     group_id:    the source trajectory's rollout group.
     source:      index of the source trajectory in the train batch it was built from.
     step:        the action step t whose history the example starts from.
-    kind:        how it was built ('plan' = CoPE forecasting, 'sft' = success-filtered imitation).
+    kind:        how it was built ('forecast' = CoPE forecasting, 'sft' = success-filtered imitation).
     prefix_len:  tokens[:prefix_len] are the source trajectory's first tokens, shared with its other
                  examples (packed once, `cope_jax/learning/batching.py`); no target among them or right
                  after them (the first token past a shared prefix has no prediction in a packed tree).
@@ -133,7 +133,7 @@ class ForecastExample:
     group_id: int
     source: int
     step: int
-    kind: str = "plan"
+    kind: str = "forecast"
     prefix_len: int = 0
 
     def __post_init__(self):

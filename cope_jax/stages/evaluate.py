@@ -23,11 +23,11 @@ def evaluate(parts: Components, step: int, *, split: str | None = None, samples:
     ids = parts.family.task_ids(split)
     n = tasks if tasks is not None else c.eval.tasks
     ids = stratified(ids, n, parts.family.task_family) if n else ids
-    plan = [(t, g) for g, t in enumerate(ids) for _ in range(samples)]
+    schedule = [(t, g) for g, t in enumerate(ids) for _ in range(samples)]
     key = jax.random.fold_in(jax.random.key(c.seed + 1), step)
-    share = distributed.process_share(len(plan))
+    share = distributed.process_share(len(schedule))
     bar = Bar(0, share.stop - share.start, enabled=progress and parts.is_main, desc=f"eval step {step} (episodes)")
-    trajs, stats = rollout(parts, runner(parts, "eval"), plan, key, on_progress=bar.to)
+    trajs, stats = rollout(parts, runner(parts, "eval"), schedule, key, on_progress=bar.to)
     bar.close()
     trajs, faults = faults_lib.drop(trajs, parts.max_fault_fraction, what=f"evaluation at step {step}")
     summary = metrics_lib.summarize(trajs, overall=parts.family.overall)

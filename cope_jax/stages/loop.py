@@ -24,18 +24,18 @@ def runner(parts: Components, kind: str) -> RolloutRunner:
                          run_config.rollout_config(c, kind))
 
 
-def rollout(parts: Components, runner: RolloutRunner, plan: list[tuple[int, int]], key,
-            next_plan: Sequence[tuple[int, int]] = (), on_progress=None) -> tuple[list, RolloutStats]:
-    """Plays `plan` (episode i samples with key folded with i): each host its share, with its
-    own pool and sampler; returns every episode's trajectory (plan order, on every host) and the
-    rollout stats of all hosts together. `next_plan`: the batch `runner` plays next, whose
+def rollout(parts: Components, runner: RolloutRunner, schedule: list[tuple[int, int]], key,
+            next_schedule: Sequence[tuple[int, int]] = (), on_progress=None) -> tuple[list, RolloutStats]:
+    """Plays `schedule` (episode i samples with key folded with i): each host its share, with its
+    own pool and sampler; returns every episode's trajectory (schedule order, on every host) and the
+    rollout stats of all hosts together. `next_schedule`: the batch `runner` plays next, whose
     environments then reset during this batch and the train step after it."""
-    share = distributed.process_share(len(plan))
-    ahead = distributed.process_share(len(next_plan))
+    share = distributed.process_share(len(schedule))
+    ahead = distributed.process_share(len(next_schedule))
     parts.replica.refresh()
     key = jax.random.wrap_key_data(np.asarray(jax.random.key_data(key)), impl=jax.random.key_impl(key))
-    trajs, stats = runner.run(plan[share], key, episode_ids=range(share.start, share.stop),
-                              prefetch=next_plan[ahead], prefetch_ids=range(ahead.start, ahead.stop),
+    trajs, stats = runner.run(schedule[share], key, episode_ids=range(share.start, share.stop),
+                              prefetch=next_schedule[ahead], prefetch_ids=range(ahead.start, ahead.stop),
                               on_progress=on_progress)
     return distributed.gather_shares(trajs), RolloutStats.combined(distributed.allgather_objects(stats))
 

@@ -75,13 +75,13 @@ def train(parts: Components, progress: bool = True, resume: str = "latest") -> d
 
     def step(i: int) -> dict[str, float]:
         t0 = time.time()
-        plan = _plan(c, i, tasks.take())
+        schedule = _schedule(c, i, tasks.take())
         # the next batch's environments reset during this one, unless an evaluation (another
         # runner on the same pool) comes between them
-        next_plan = []
+        next_schedule = []
         if c.rollout.prefetch_resets and i + 1 < c.train.steps and not evaluates(i + 1):
-            next_plan = _plan(c, i + 1, tasks.peek())
-        played, rstats = rollout(parts, train_runner, plan, jax.random.fold_in(base_key, i), next_plan)
+            next_schedule = _schedule(c, i + 1, tasks.peek())
+        played, rstats = rollout(parts, train_runner, schedule, jax.random.fold_in(base_key, i), next_schedule)
         played, faults = faults_lib.drop(played, parts.max_fault_fraction, what=f"step {i + 1}")
         trajs, refill = played, {}
         if c.train.zero_variance == "filter":
@@ -122,11 +122,11 @@ def _refilled(parts: Components, train_runner, tasks: "_TaskBatches", i: int, ba
     rounds, extra = [rstats], 0
     while len({t.group_id for t in kept}) < c.rollout.tasks_per_step and len(rounds) <= refill_rounds:
         r = len(rounds)
-        plan = _plan(c, i + r, tasks.take())
-        more, stats = rollout(parts, train_runner, plan, jax.random.fold_in(jax.random.fold_in(base_key, i), r))
+        schedule = _schedule(c, i + r, tasks.take())
+        more, stats = rollout(parts, train_runner, schedule, jax.random.fold_in(jax.random.fold_in(base_key, i), r))
         more, _ = faults_lib.drop(more, parts.max_fault_fraction, what=f"step {i + 1}, refill {r}")
         rounds.append(stats)
-        extra += len(plan)
+        extra += len(schedule)
         got, flat = _with_signal(parts, more)
         kept, dropped = kept + got, dropped + flat
     groups = set(list(dict.fromkeys(t.group_id for t in kept))[:c.rollout.tasks_per_step])
@@ -144,7 +144,7 @@ def _with_signal(parts: Components, trajs) -> tuple[list, int]:
     return [t for t in trajs if t.group_id not in flat], len(flat)
 
 
-def _plan(c, step: int, task_ids: list[int]) -> list[tuple[int, int]]:
+def _schedule(c, step: int, task_ids: list[int]) -> list[tuple[int, int]]:
     """(task, group) of each episode of a step; groups are numbered across steps."""
     return [(t, step * len(task_ids) + i) for i, t in enumerate(task_ids) for _ in range(c.rollout.group_size)]
 

@@ -117,7 +117,7 @@ def test_unparseable_and_invalid_actions():
     assert target_texts(plain[0]) == ["go north\ntake key" + IM_END]
 
 
-def _windows(actions, rejected, horizon, kind="plan"):
+def _windows(actions, rejected, horizon, kind="forecast"):
     traj = episode(actions, rejected=rejected)
     return target_windows(traj, ForecastConfig(kind=kind, horizon=horizon, skip_invalid=True))
 

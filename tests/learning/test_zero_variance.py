@@ -78,18 +78,18 @@ def _refill(monkeypatch, outcome, rounds_cap, tasks_per_step=2, group_size=2):
     c = ml_collections.ConfigDict(dict(rollout=dict(tasks_per_step=tasks_per_step, group_size=group_size)))
     calls = []
 
-    def fake_rollout(parts, runner, plan, key, next_plan=(), on_progress=None):
-        calls.append(plan)
-        trajs = _trajectories([(g, y) for (t, g), y in zip(plan, [y for t, _ in plan[::group_size]
-                                                                     for y in outcome(t)])], [8] * len(plan))
-        for tr, (t, _) in zip(trajs, plan):
+    def fake_rollout(parts, runner, schedule, key, next_schedule=(), on_progress=None):
+        calls.append(schedule)
+        trajs = _trajectories([(g, y) for (t, g), y in zip(schedule, [y for t, _ in schedule[::group_size]
+                                                                     for y in outcome(t)])], [8] * len(schedule))
+        for tr, (t, _) in zip(trajs, schedule):
             tr.task_id = t
-        return trajs, RolloutStats(wall_s=1.0, env_steps=len(plan))
+        return trajs, RolloutStats(wall_s=1.0, env_steps=len(schedule))
 
     monkeypatch.setattr(rl, "rollout", fake_rollout)
     parts = type("Parts", (), dict(config=c, spec=methods.get_method("grpo"), loss_cfg=methods.LossConfig(),
                                    max_fault_fraction=0.25))()
-    played = fake_rollout(parts, None, rl._plan(c, 0, [1, 2]), None)[0]
+    played = fake_rollout(parts, None, rl._schedule(c, 0, [1, 2]), None)[0]
     calls.clear()
     kept, stats, record = rl._refilled(parts, None, _Tasks(), 0, __import__("jax").random.key(0), played,
                                        RolloutStats(wall_s=1.0), rounds_cap)

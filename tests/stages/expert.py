@@ -11,8 +11,8 @@ def with_a_success_per_group(monkeypatch):
 
     real, cache = rl.rollout, {}
 
-    def rollout(parts, runner, plan, key, next_plan=(), on_progress=None):
-        trajs, stats = real(parts, runner, plan, key, next_plan, on_progress)
+    def rollout(parts, runner, schedule, key, next_schedule=(), on_progress=None):
+        trajs, stats = real(parts, runner, schedule, key, next_schedule, on_progress)
         first = {}
         for i, t in enumerate(trajs):
             first.setdefault(t.group_id, i)
