@@ -176,13 +176,13 @@ class Qwen(nnx.Module):
         x, _ = self._run_layers(tokens, positions, ids, cache=None)
         return x
 
-    def decode(self, tokens, num_new, cache: KVCache, layer_weights=None) -> tuple[jax.Array, KVCache]:
+    def decode(self, tokens, num_new, cache: KVCache, layer_params=None) -> tuple[jax.Array, KVCache]:
         """Appends tokens[b, :num_new[b]] to row b of `cache`; returns hidden [B, T, E], new cache.
 
         Positions are the cache slots (lengths[b] + t). Entries t >= num_new[b] are padding: their
         outputs are garbage and they are not written. Tokens that would land past the cache end are
         dropped; callers must check `lengths + num_new <= max_len` (the sampler finishes such a row
-        with `context_full`). `layer_weights` (from `layer_weights()`, computed once outside a decode
+        with `context_full`). `layer_params` (from `layer_params()`, computed once outside a decode
         loop) runs the layers unrolled on per-layer matrices in the decode layout instead of slicing
         the stacked weights at every step, which XLA:CPU does by copying them.
 
@@ -199,19 +199,19 @@ class Qwen(nnx.Module):
         filled = jnp.where(num_new > 0, jnp.minimum(cache.lengths + num_new, cache.max_len), 0)
         ids = attn.CacheIds(positions, filled)
         x, (k, v) = self._run_layers(tokens, positions, ids, cache=(cache.k, cache.v, slots),
-                                     layer_weights=layer_weights)
+                                     layer_params=layer_params)
         lengths = jnp.minimum(cache.lengths + num_new, cache.max_len)
         return x, KVCache(k=k, v=v, lengths=lengths)
 
     def unembed(self, hidden, decode_layout: bool = False) -> jax.Array:
         """hidden [..., E] -> float32 logits [..., V]. decode_layout: multiply as [V, E] @ [E, rows]
-        (see `layer_weights`), for a decode step's few rows."""
+        (see `layer_params`), for a decode step's few rows."""
         head = self.lm_head_weight().astype(hidden.dtype)
         if decode_layout:
             return _matmul_out_in(hidden, head).astype(jnp.float32)
         return jnp.einsum("...e,ve->...v", hidden, head, preferred_element_type=jnp.float32)
 
-    def layer_weights(self) -> list[dict[str, jax.Array]]:
+    def layer_params(self) -> list[dict[str, jax.Array]]:
         """One dict of weights per decoder layer in the *decode layout*: the projections of each
         `_FUSED` group as one 2-D [sum of outs, in] matrix keyed "q_proj+k_proj+v_proj", norms and
         biases as stored.
@@ -240,7 +240,7 @@ class Qwen(nnx.Module):
         return (self.embed if self.lm_head is None else self.lm_head)[...]
 
     # -- internals ---------------------------------------------------------------------------------
-    def _run_layers(self, tokens, positions, ids, cache=None, layer_weights=None):
+    def _run_layers(self, tokens, positions, ids, cache=None, layer_params=None):
         """-> (final-normed hidden, cache). cache: None, or (k, v [L,B,S,K,D], slots [B,T]) to write
         the new tokens' K/V at and attend over (slots past the end are dropped)."""
         cfg = self.cfg
@@ -254,7 +254,7 @@ class Qwen(nnx.Module):
         x = shd.constrain(x, residual, self.mesh)
         cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
         layer = functools.partial(_decoder_layer, cfg=cfg, cos=cos, sin=sin, ids=ids, mesh=self.mesh,
-                                  residual=residual, decode_layout=layer_weights is not None)
+                                  residual=residual, decode_layout=layer_params is not None)
         if cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat])
         params = self.layers.arrays()
@@ -265,11 +265,11 @@ class Qwen(nnx.Module):
             p, i = xs
             return layer(p, h, kv, i, slots), None
 
-        if layer_weights is None and cfg.scan_layers:
+        if layer_params is None and cfg.scan_layers:
             (x, kv), _ = loops.scan("layers", body, (x, kv), (params, jnp.arange(cfg.num_layers)))
         else:
             for i in range(cfg.num_layers):
-                p = layer_weights[i] if layer_weights is not None else jax.tree.map(lambda a: a[i], params)
+                p = layer_params[i] if layer_params is not None else jax.tree.map(lambda a: a[i], params)
                 (x, kv), _ = body((x, kv), (p, i))
         x = rms_norm(x, self.final_norm[...].astype(dtype), cfg.rms_norm_eps).astype(dtype)
         return x, kv
@@ -323,7 +323,7 @@ def _project(names: tuple[str, ...], x, w: dict, out_shapes, decode_layout: bool
 def _decoder_layer(p: dict[str, jax.Array], x, kv, layer, slots, *, cfg: QwenConfig, cos, sin, ids, mesh,
                    residual, decode_layout: bool = False):
     """One pre-norm decoder layer -> (x, kv). p: one layer's weights, stored layout or (with
-    decode_layout) `Qwen.layer_weights`'.
+    decode_layout) `Qwen.layer_params`'.
 
     kv: None (attend over the T tokens themselves, ids a `MaskIds`), or the stacked cache
     (k, v [L,B,S,K,D]): this layer's K/V are written at [layer, b, slots[b, t]] and attention reads

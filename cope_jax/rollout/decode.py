@@ -132,19 +132,19 @@ def _constrain(state, shardings):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "window", "compact", "shardings"),
                    donate_argnames=("cache", "next_input"))
-def prefill(graphdef, params, weights, cache, next_input, rows, tokens, num_new, prepend, set_next_input, *,
+def prefill(graphdef, params, layer_params, cache, next_input, rows, tokens, num_new, prepend, set_next_input, *,
             window: int, compact: bool, shardings):
     """Appends tokens[r, :num_new[r]] to each row (R rows, T = tokens.shape[1]).
 
     rows [R] (compact: state rows, padding = B); tokens [R, T]; prepend [R] bool: tokens[r, 0] is
-    replaced by the row's next input (extension); set_next_input [R] (-1: keep). weights:
-    `unrolled_weights` or None.
+    replaced by the row's next input (extension); set_next_input [R] (-1: keep). layer_params:
+    `unrolled_params` or None.
     """
     model = nnx.merge(graphdef, params)
     sub, sub_next_input = _take(cache, next_input, rows, window, compact)
     tokens = tokens.at[:, 0].set(jnp.where(prepend, sub_next_input, tokens[:, 0]))
     with jax.named_scope("prefill"):
-        _, sub = model.decode(tokens, num_new, sub, weights)
+        _, sub = model.decode(tokens, num_new, sub, layer_params)
     sub_next_input = jnp.where(set_next_input >= 0, set_next_input, sub_next_input)
     return _constrain(_put(cache, next_input, sub, sub_next_input, rows, window, compact), shardings)
 
@@ -173,7 +173,7 @@ def decode_start(cache, next_input, rows, *, window: int, compact: bool):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "draw"), donate_argnames=("run",))
-def decode_loop(graphdef, params, weights, run, until, knobs, step_limit, limit_code, eos_ids, stops, row_keys, *,
+def decode_loop(graphdef, params, layer_params, run, until, knobs, step_limit, limit_code, eos_ids, stops, row_keys, *,
                 draw: str):
     """Continues a turn's single-token steps (one `lax.while_loop`) until step `until` or every row is done.
 
@@ -194,8 +194,8 @@ def decode_loop(graphdef, params, weights, run, until, knobs, step_limit, limit_
     @jax.named_scope("decode_step")
     def body(s):
         active = ~s["done"]
-        h, new_cache = model.decode(s["next_input"][:, None], active.astype(jnp.int32), s["cache"], weights)
-        logits = model.unembed(h[:, 0], decode_layout=weights is not None)
+        h, new_cache = model.decode(s["next_input"][:, None], active.astype(jnp.int32), s["cache"], layer_params)
+        logits = model.unembed(h[:, 0], decode_layout=layer_params is not None)
         # a row's randomness depends only on (its key, step): not on which other rows run
         tok = sample_tokens(logits, lambda: jax.vmap(lambda k: jax.random.fold_in(k, s["step"]))(row_keys), **knobs,
                             draw=draw)
@@ -264,9 +264,9 @@ def new_run(cache: KVCache, next_input, step_limit: np.ndarray, limit_code: np.n
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
-def unrolled_weights(graphdef, params):
-    """Per-layer weight dicts in the decode layout (`Qwen.layer_weights`)."""
-    return nnx.merge(graphdef, params).layer_weights()
+def unrolled_params(graphdef, params):
+    """Per-layer weight dicts in the decode layout (`Qwen.layer_params`)."""
+    return nnx.merge(graphdef, params).layer_params()
 
 
 def row_keys(key, rows: np.ndarray) -> jax.Array:

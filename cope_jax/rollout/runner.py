@@ -139,7 +139,7 @@ class RolloutRunner:
             for ep in episodes:
                 if not ep.done or ep.row is not None:
                     self._abandon(ep, state)
-            self.sampler.drop_unrolled_weights()  # the update needs the memory; the next run's policy differs
+            self.sampler.drop_unrolled_params()  # the update needs the memory; the next run's policy differs
         stats.wall_s = time.perf_counter() - t_start
         return [self.layout.trajectory(ep) for ep in episodes], stats
 

@@ -37,7 +37,7 @@ from flax import nnx
 from cope_jax.rollout.decode import (CONTEXT_FULL, FINISH_REASONS, IDLE_ROW_KNOBS, LENGTH, RowLayout, abstract_cache,
                              abstract_window, bucket, decode_end, decode_loop, decode_start, eos_array, new_run,
                              power_buckets, prefill, report_finished, row_buckets, row_keys, share, stop_array,
-                             unrolled_weights)
+                             unrolled_params)
 from cope_jax.rollout.sampling import draw_of
 from models import attention as attn
 from models import sharding as shd
@@ -89,7 +89,7 @@ class Sampler:
     optimizer updating the model in place is seen by the next turn without re-building anything.
 
     unroll_layers (default: on CPU, the platform of the model's mesh) runs the layers unrolled on
-    per-layer copies of the weights in the decode layout (`Qwen.layer_weights`), kept until the
+    per-layer copies of the weights in the decode layout (`Qwen.layer_params`), kept until the
     model's parameters change (and dropped after each rollout). XLA:CPU and XLA:GPU would otherwise
     copy each layer's weights out of the stacked arrays at every step (on GPU a dynamic-slice fusion
     per projection: a 7B decode step writes and reads 13 GB more than the 15 GB it must read); the
@@ -114,8 +114,8 @@ class Sampler:
         self.cache_dtype = jnp.dtype(cache_dtype or self.cfg.dtype)
         self.unroll = (attn.platform_of(self.mesh) in UNROLLED_PLATFORMS if unroll_layers is None
                        else bool(unroll_layers))
-        self._weights_for: list[weakref.ref] = []  # the parameter arrays the unrolled copy was made from
-        self._weights = None
+        self._layer_params_of: list[weakref.ref] = []  # the parameter arrays the unrolled copy was made from
+        self._layer_params = None
         self._unused_key = None
         # a call gathers its rows, so idle rows cost it nothing, unless the mesh splits rows over
         # devices: then they stay in place (moving caches across devices costs more than their reads)
@@ -275,7 +275,7 @@ class Sampler:
                 on_finish(int(i), np.zeros(0, np.int32), np.zeros(0, np.float32), FINISH_REASONS[limit_code[i]])
         if reported.all():
             return np.zeros((n, 0), np.int32), np.zeros((n, 0), np.float32), np.zeros(n, np.int64), limit_code
-        graphdef, params, weights, run, args = self._turn_inputs(state, lay, knobs, step_limit, limit_code, eos,
+        graphdef, params, layer_params, run, args = self._turn_inputs(state, lay, knobs, step_limit, limit_code, eos,
                                                                  stops, keys, window=window, steps=steps)
         chunk, until = (stream_every if on_finish is not None else steps), 0
         try:
@@ -283,7 +283,7 @@ class Sampler:
                 if until >= steps:
                     raise RuntimeError("decode loop ended with rows still running")  # step_limit <= steps
                 until = min(until + chunk, steps)
-                run = decode_loop(graphdef, params, weights, run, np.int32(until), *args, draw=draw)
+                run = decode_loop(graphdef, params, layer_params, run, np.int32(until), *args, draw=draw)
                 report_finished(run, lay.index, reported, on_finish)
         finally:  # the cache holds what was decoded, even if a callback raised
             state.cache, state.next_input = decode_end(state.cache, state.next_input, run["cache"], run["next_input"],
@@ -323,21 +323,21 @@ class Sampler:
     def _prefill_inputs(self, state, lay, tokens, counts, prepend, set_next_input, *, window: int,
                         shardings):
         """`prefill`'s (arguments, static arguments) for one chunk of appends ([n] arrays per row)."""
-        graphdef, params, weights = self._params()
-        args = (graphdef, params, weights, state.cache, state.next_input, lay.rows, lay(tokens, 0), lay(counts, 0),
+        graphdef, params, layer_params = self._params()
+        args = (graphdef, params, layer_params, state.cache, state.next_input, lay.rows, lay(tokens, 0), lay(counts, 0),
                 lay(prepend, False), lay(set_next_input, -1))
         return args, dict(window=window, compact=lay.compact, shardings=shardings)
 
     def _turn_inputs(self, state, lay, knobs, step_limit, limit_code, eos, stops, keys, *, window: int, steps: int,
                      start=None):
-        """`decode_loop`'s inputs for one turn: (graphdef, params, weights, run, per-call arguments).
+        """`decode_loop`'s inputs for one turn: (graphdef, params, layer_params, run, per-call arguments).
         `start` takes the turn's cache window (default `decode_start`)."""
-        graphdef, params, weights = self._params()
+        graphdef, params, layer_params = self._params()
         args = (knobs, lay(step_limit, 0), lay(limit_code, 0), eos, stops, keys[lay(np.arange(len(step_limit)), 0)])
         cache, next_input = (start or decode_start)(state.cache, state.next_input, lay.rows, window=window,
                                                     compact=lay.compact)
         run = new_run(cache, next_input, lay(step_limit, 0), lay(limit_code, 0), steps, stops.shape[1])
-        return graphdef, params, weights, run, args
+        return graphdef, params, layer_params, run, args
 
     # -- ahead-of-time compilation -------------------------------------------------------------------
     def abstract_state(self, rows: int | None = None, slots: int | None = None) -> SamplerState:
@@ -374,11 +374,11 @@ class Sampler:
             steps = bucket(min(max_new_tokens, self.max_len), power_buckets(16, self.max_len))
             knobs = dict(temperature=np.ones(n, np.float32), top_k=np.zeros(n, np.int32),
                          top_p=np.ones(n, np.float32), greedy=np.zeros(n, bool))
-            graphdef, params, weights, run, call_args = self._turn_inputs(
+            graphdef, params, layer_params, run, call_args = self._turn_inputs(
                 state, lay, {k: lay(v, IDLE_ROW_KNOBS[k]) for k, v in knobs.items()}, np.full(n, steps),
                 np.full(n, LENGTH), eos_array(self.eos_ids), self._stop_array(()),
                 self._row_keys(0, rows, needed=True), window=window, steps=steps, start=abstract_window)
-            return decode_loop.lower(graphdef, params, weights, run, np.int32(steps), *call_args, draw=draw_of(**knobs))
+            return decode_loop.lower(graphdef, params, layer_params, run, np.int32(steps), *call_args, draw=draw_of(**knobs))
 
         return {"prefill": lambda: prefill_program(state, lay, n, chunk, window),
                 "prefill@group": lambda: prefill_program(
@@ -387,23 +387,23 @@ class Sampler:
                 "decode": decode_program}
 
     def _params(self):
-        """(graphdef, params, unrolled weights or None), re-making the unrolled copy only when the
+        """(graphdef, params, the unrolled per-layer copy or None), re-making the unrolled copy only when the
         model's parameter arrays changed (an optimizer step replaces them)."""
         graphdef, params = nnx.split(self.model)
         if not self.unroll:
             return graphdef, params, None
         leaves = jax.tree.leaves(params)
         if any(isinstance(a, jax.ShapeDtypeStruct) for a in leaves):  # lowering ahead of time (`lower`)
-            return graphdef, params, _abstract_weights(graphdef, params)
-        if len(leaves) != len(self._weights_for) or any(r() is not a for r, a in zip(self._weights_for, leaves)):
-            self._weights = None  # drop the stale copy before making the new one
-            self._weights = unrolled_weights(graphdef, params)
-            self._weights_for = [weakref.ref(a) for a in leaves]
-        return graphdef, params, self._weights
+            return graphdef, params, _abstract_layer_params(graphdef, params)
+        if len(leaves) != len(self._layer_params_of) or any(r() is not a for r, a in zip(self._layer_params_of, leaves)):
+            self._layer_params = None  # drop the stale copy before making the new one
+            self._layer_params = unrolled_params(graphdef, params)
+            self._layer_params_of = [weakref.ref(a) for a in leaves]
+        return graphdef, params, self._layer_params
 
-    def drop_unrolled_weights(self) -> None:
+    def drop_unrolled_params(self) -> None:
         """Frees the per-layer copy of the weights (if any); the next call makes it again."""
-        self._weights, self._weights_for = None, []
+        self._layer_params, self._layer_params_of = None, []
 
     def _layout(self, rows: np.ndarray) -> RowLayout:
         return RowLayout(rows, self.batch_size, self.row_buckets, self.gather)
@@ -473,8 +473,8 @@ def _turn_knobs(n: int, max_new_tokens, temperature, top_k, top_p, greedy) -> tu
     return max_new, knobs
 
 
-def _abstract_weights(graphdef, params):
-    """`unrolled_weights` of abstract parameters: its shapes, on the shardings its program gives them."""
-    shapes = jax.eval_shape(unrolled_weights, graphdef, params)
-    shardings = unrolled_weights.lower(graphdef, params).compile().output_shardings
+def _abstract_layer_params(graphdef, params):
+    """`unrolled_params` of abstract parameters: its shapes, on the shardings its program gives them."""
+    shapes = jax.eval_shape(unrolled_params, graphdef, params)
+    shardings = unrolled_params.lower(graphdef, params).compile().output_shardings
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)

@@ -71,7 +71,7 @@ def test_the_decode_layout_and_a_frozen_copy_merge_the_adapters(tmp_path):
     want = np.asarray(adapted(TOKENS))
     cache = models.KVCache.zeros(adapted.cfg, 2, 16)
     n = np.full((2,), TOKENS.shape[1], np.int32)
-    h, _ = adapted.decode(TOKENS, n, cache, layer_weights=adapted.layer_weights())
+    h, _ = adapted.decode(TOKENS, n, cache, layer_params=adapted.layer_params())
     np.testing.assert_allclose(np.asarray(adapted.unembed(h, decode_layout=True)), want, rtol=1e-4, atol=1e-4)
     h, _ = adapted.decode(TOKENS, n, cache)  # the stored layout: adapters applied unmerged
     np.testing.assert_allclose(np.asarray(adapted.unembed(h)), want, rtol=1e-5, atol=1e-5)

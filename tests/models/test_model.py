@@ -146,10 +146,10 @@ def test_kv_cache_prefill_decode_equals_full_forward(tiny, rng, decode_layout):
     full = _forward(model, tokens)
     prompt_len = np.array([5, 3])
     cache = models.KVCache.zeros(cfg, batch=2, max_len=16)
-    weights = model.layer_weights() if decode_layout else None
+    layer_params = model.layer_params() if decode_layout else None
     step = nnx.jit(lambda m, t, n, c, w: m.decode(t, n, c, w))
     unembed = jax.jit(lambda h: model.unembed(h, decode_layout=decode_layout))
-    h, cache = step(model, jnp.asarray(tokens[:, :5]), jnp.asarray(prompt_len), cache, weights)
+    h, cache = step(model, jnp.asarray(tokens[:, :5]), jnp.asarray(prompt_len), cache, layer_params)
     logits = np.asarray(unembed(h))
     for b in range(2):
         np.testing.assert_allclose(logits[b, :prompt_len[b]], full[b, :prompt_len[b]], atol=1e-4, rtol=0)
@@ -158,7 +158,7 @@ def test_kv_cache_prefill_decode_equals_full_forward(tiny, rng, decode_layout):
     for _ in range(4):
         pos = np.asarray(cache.lengths)
         nxt = tokens[np.arange(2), pos][:, None]
-        h, cache = step(model, jnp.asarray(nxt), jnp.ones(2, jnp.int32), cache, weights)
+        h, cache = step(model, jnp.asarray(nxt), jnp.ones(2, jnp.int32), cache, layer_params)
         logits = np.asarray(unembed(h))[:, 0]
         np.testing.assert_allclose(logits, full[np.arange(2), pos], atol=1e-4, rtol=0)
 
