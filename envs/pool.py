@@ -66,7 +66,7 @@ _CLOSE_GRACE = 2.0               # seconds a worker gets to exit cleanly on clos
 class EnvResult:
     """Outcome of one reset or step. `error` is None on success, else 'crashed', 'timeout',
     'env_error' or 'start_failed'; an errored result is terminal (done=True, success=False)."""
-    episode: Hashable
+    env_key: Hashable
     kind: str                                  # 'reset' | 'step'
     observation: str = ""
     score: float = 0.0                         # raw environment score (last known on error)
@@ -86,7 +86,7 @@ class EnvResult:
 @dataclass
 class _Request:
     kind: str
-    episode: Hashable
+    env_key: Hashable
     payload: dict[str, Any]
     submitted: float
     sent: float = 0.0                          # when it went to the worker (its deadline starts)
@@ -198,16 +198,16 @@ class EnvPool:
                 self._spawn(w)
 
     # ---- public API -------------------------------------------------------------------------
-    def submit_reset(self, episode: Hashable, family: str, task_id: int,
+    def submit_reset(self, env_key: Hashable, family: str, task_id: int,
                      max_rounds: int | None = None) -> None:
-        """Start `episode` on task `task_id`; its first observation comes back from poll()."""
+        """Start the episode `env_key` on task `task_id`; its first observation comes back from poll()."""
         self._check_open()
         if family not in self._specs:
             raise ValueError(f"no workers for family {family!r}")
-        if episode in self._episodes:
-            raise ValueError(f"episode {episode!r} is still live or has a call in flight")
-        self._episodes[episode] = _EpisodeSlot(family)
-        req = _Request("reset", episode, {"op": "reset", "task_id": int(task_id),
+        if env_key in self._episodes:
+            raise ValueError(f"episode {env_key!r} is still live or has a call in flight")
+        self._episodes[env_key] = _EpisodeSlot(family)
+        req = _Request("reset", env_key, {"op": "reset", "task_id": int(task_id),
                                           "max_rounds": max_rounds}, time.monotonic())
         if family in self._broken:
             self._fail(req, "start_failed", self._broken[family])
@@ -215,16 +215,16 @@ class EnvPool:
         self._waiting[family].append(req)
         self._assign_waiting(family)
 
-    def submit_step(self, episode: Hashable, action: str | None) -> None:
+    def submit_step(self, env_key: Hashable, action: str | None) -> None:
         """Send one action (None = unparseable reply) to a live episode."""
         self._check_open()
-        ep = self._episodes.get(episode)
+        ep = self._episodes.get(env_key)
         if ep is None or ep.released:
-            raise KeyError(f"episode {episode!r} is not live (finished or never started)")
+            raise KeyError(f"episode {env_key!r} is not live (finished or never started)")
         if ep.busy:
-            raise RuntimeError(f"episode {episode!r} already has a call in flight")
+            raise RuntimeError(f"episode {env_key!r} already has a call in flight")
         ep.busy = True
-        req = _Request("step", episode, {"op": "step", "action": action}, time.monotonic())
+        req = _Request("step", env_key, {"op": "step", "action": action}, time.monotonic())
         if ep.lost is not None:
             self._fail(req, "crashed", ep.lost, ep.lost_pid)
             return
@@ -232,21 +232,21 @@ class EnvPool:
         ep.worker.queue.append(req)
         self._dispatch(ep.worker)
 
-    def release(self, episode: Hashable) -> None:
+    def release(self, env_key: Hashable) -> None:
         """End an episode early (e.g. the round limit was hit); frees its slot. A result of it not
         yet returned by poll() is dropped."""
-        ep = self._episodes.get(episode)
+        ep = self._episodes.get(env_key)
         if ep is None or ep.released:
             return
         ep.released = True
-        self._ready = [r for r in self._ready if r.episode != episode]
+        self._ready = [r for r in self._ready if r.env_key != env_key]
         if ep.worker is None:  # its reset still waits for a slot: withdraw it
             queue = self._waiting[ep.family]
-            for req in [r for r in queue if r.episode == episode]:
+            for req in [r for r in queue if r.env_key == env_key]:
                 queue.remove(req)
-            self._episodes.pop(episode, None)
+            self._episodes.pop(env_key, None)
         elif not ep.busy:
-            self._end_episode(episode)
+            self._end_episode(env_key)
         # A busy episode ends when the answer to its call arrives (and is dropped).
 
     def poll(self, timeout: float | None = 0.0) -> list[EnvResult]:
@@ -303,17 +303,17 @@ class EnvPool:
         now = time.monotonic()
         parts = []
         for w in self._workers:
-            calls = [f"{r.kind} {r.episode!r} sent {now - r.sent:.1f}s ago" for r in w.inflight.values()]
-            calls += [f"{r.kind} {r.episode!r} queued" for r in w.queue]
+            calls = [f"{r.kind} {r.env_key!r} sent {now - r.sent:.1f}s ago" for r in w.inflight.values()]
+            calls += [f"{r.kind} {r.env_key!r} queued" for r in w.queue]
             held = sum(e is not None for e in w.slots)
             parts.append(f"worker {w.proc.pid if w.proc else None} ({w.family}, {w.state}, {held}/{len(w.slots)} "
                          f"slots held){': ' + ', '.join(calls) if calls else ''}")
         waiting = sum(len(q) for q in self._waiting.values())
         return "; ".join(parts) + f"; {waiting} resets waiting for a slot"
 
-    def has_slot(self, episode: Hashable) -> bool:
+    def has_slot(self, env_key: Hashable) -> bool:
         """Whether a live episode holds an environment slot (its reset is not queued for one)."""
-        ep = self._episodes.get(episode)
+        ep = self._episodes.get(env_key)
         return ep is not None and ep.worker is not None
 
     def capacity(self, family: str) -> int:
@@ -459,13 +459,13 @@ class EnvPool:
         w.queue.clear()
         for req, err, why in failed:
             self._fail(req, err, why, pid)
-        for episode in w.slots:
-            ep = self._episodes.get(episode) if episode is not None else None
+        for env_key in w.slots:
+            ep = self._episodes.get(env_key) if env_key is not None else None
             if ep is not None and ep.worker is w and not ep.busy:
                 ep.lost, ep.lost_pid = f"worker lost while idle: {detail}", pid
         w.slots = [None] * len(w.slots)
         for req in reversed(unsent):  # in their order, ahead of later resets
-            self._episodes[req.episode].worker, self._episodes[req.episode].slot = None, -1
+            self._episodes[req.env_key].worker, self._episodes[req.env_key].slot = None, -1
             del req.payload["slot"]
             self._waiting[w.family].appendleft(req)
         if not (self._closed or w.family in self._broken):
@@ -549,24 +549,24 @@ class EnvPool:
         if req is None:
             self._worker_lost(w, "crashed", f"unexpected message for slot {msg.get('slot')!r}")
             return
-        ep = self._episodes[req.episode]
+        ep = self._episodes[req.env_key]
         ep.busy = False
         if msg.get("ok"):
             ep.score = float(msg.get("score", 0.0))
-            result = EnvResult(req.episode, req.kind, msg.get("observation", ""), ep.score,
+            result = EnvResult(req.env_key, req.kind, msg.get("observation", ""), ep.score,
                                bool(msg.get("done")), bool(msg.get("success")),
                                msg.get("info") or {}, None, "",
                                time.monotonic() - req.submitted, w.proc.pid)
         else:
-            result = EnvResult(req.episode, req.kind, "", ep.score, True, False, {},
+            result = EnvResult(req.env_key, req.kind, "", ep.score, True, False, {},
                                msg.get("error", "env_error"), str(msg.get("reason", "")),
                                time.monotonic() - req.submitted, w.proc.pid)
         if ep.released:
-            self._end_episode(req.episode)
+            self._end_episode(req.env_key)
         else:
             self._ready.append(result)
             if result.done:
-                self._end_episode(req.episode)
+                self._end_episode(req.env_key)
         self._dispatch(w)
 
     # ---- scheduling ---------------------------------------------------------------------------
@@ -599,34 +599,34 @@ class EnvPool:
             w = min(candidates, key=lambda w: (w.state != "idle",
                                                sum(s is not None for s in w.slots)))
             req = queue.popleft()
-            ep = self._episodes.get(req.episode)
+            ep = self._episodes.get(req.env_key)
             if ep is None or ep.released:
                 continue
             slot = w.free_slot()
-            w.slots[slot] = req.episode
+            w.slots[slot] = req.env_key
             ep.worker, ep.slot = w, slot
             req.payload["slot"] = slot
             w.queue.append(req)
             self._dispatch(w)
 
-    def _end_episode(self, episode: Hashable) -> None:
-        ep = self._episodes.pop(episode, None)
+    def _end_episode(self, env_key: Hashable) -> None:
+        ep = self._episodes.pop(env_key, None)
         if ep is None:
             return
         w = ep.worker
-        if w is not None and 0 <= ep.slot < len(w.slots) and w.slots[ep.slot] == episode:
+        if w is not None and 0 <= ep.slot < len(w.slots) and w.slots[ep.slot] == env_key:
             w.slots[ep.slot] = None
             self._assign_waiting(ep.family)
 
     def _fail(self, req: _Request, error: str, reason: str, pid: int | None = None) -> None:
-        ep = self._episodes.get(req.episode)
+        ep = self._episodes.get(req.env_key)
         score = ep.score if ep is not None else 0.0
-        result = EnvResult(req.episode, req.kind, "", score, True, False, {}, error, reason,
+        result = EnvResult(req.env_key, req.kind, "", score, True, False, {}, error, reason,
                            time.monotonic() - req.submitted, pid)
         if ep is not None:
             ep.busy = False
             released = ep.released
-            self._end_episode(req.episode)
+            self._end_episode(req.env_key)
             if released:
                 return
         self._ready.append(result)

@@ -194,9 +194,9 @@ class RolloutRunner:
             else:
                 self._unblock(live, quiet_since)
             if cfg.sync:
-                results.sort(key=lambda r: by_key[r.episode].index)
+                results.sort(key=lambda r: by_key[r.env_key].index)
             for r in results:
-                ep = by_key[r.episode]
+                ep = by_key[r.env_key]
                 ep.in_env = False
                 stats.env_steps += r.kind == "step"
                 if not r.ok and r.error in REPLAYED and ep.replays < cfg.max_replays:
@@ -252,9 +252,9 @@ class RolloutRunner:
             if not results and self.pool.can_progress() and (hold > 0 or not can_decode):
                 # poll returns at the first result: the bound only lets `_unblock` look
                 results = self.pool.poll(min(hold, 1.0) if hold > 0 else limit)
-        for r in [r for r in results if r.episode in upcoming]:
-            self._early[r.episode] = r
-        return [r for r in results if r.episode not in upcoming]
+        for r in [r for r in results if r.env_key in upcoming]:
+            self._early[r.env_key] = r
+        return [r for r in results if r.env_key not in upcoming]
 
     def _decode_round(self, state: SamplerState, need_row: list, ready: list, key, stats: RolloutStats) -> int:
         """Starts waiting episodes in free rows, prefills what the ready ones got since their last

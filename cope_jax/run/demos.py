@@ -99,7 +99,7 @@ def play_actions(pool, family_name: str, plans: Sequence[tuple[int, Sequence[str
         if not results:
             raise TimeoutError(f"scripted episodes: no environment result within {timeout} s")
         for r in results:
-            i = r.episode[1]
+            i = r.env_key[1]
             rec, actions = record[i], plans[i][1]
             rec["obs"].append(r.observation)
             rec["infos"].append(dict(r.info))
@@ -107,8 +107,8 @@ def play_actions(pool, family_name: str, plans: Sequence[tuple[int, Sequence[str
             if r.done or not r.ok or rec["played"] >= len(actions):
                 live -= 1
                 if not r.done and r.ok:
-                    pool.release(r.episode)
+                    pool.release(r.env_key)
                 continue
-            pool.submit_step(r.episode, actions[rec["played"]])
+            pool.submit_step(r.env_key, actions[rec["played"]])
             rec["played"] += 1
     return record

@@ -88,14 +88,14 @@ def _drive(pool, family: str, workers: int, steps: int, solutions) -> dict:
                 raise RuntimeError(f"{family}: {r.error}: {r.reason}")
             (reset_lat if r.kind == "reset" else step_lat).append(r.elapsed)
             done_steps += r.kind == "step"
-            if r.done or not plan[r.episode]:
-                pool.release(r.episode)
-                start(r.episode)
+            if r.done or not plan[r.env_key]:
+                pool.release(r.env_key)
+                start(r.env_key)
             else:
-                pool.submit_step(r.episode, plan[r.episode].pop(0))
+                pool.submit_step(r.env_key, plan[r.env_key].pop(0))
     wall = time.perf_counter() - t
     for r in pool.wait_all(timeout=60):  # drain the episodes still running
-        pool.release(r.episode)
+        pool.release(r.env_key)
     return {"steps": done_steps, "steps_per_s": round(done_steps / wall, 1),
             "step_ms_mean": round(1e3 * sum(step_lat) / len(step_lat), 2),
             "reset_s_mean": round(sum(reset_lat) / max(1, len(reset_lat)), 4),
@@ -112,7 +112,7 @@ def _measure(family: str, workers: int, steps: int, repeats: int, solutions) -> 
         first_reset = time.perf_counter() - t0
         assert all(r.ok for r in warm), [r.reason for r in warm if not r.ok]
         for r in warm:
-            pool.release(r.episode)
+            pool.release(r.env_key)
         _drive(pool, family, workers, steps, solutions)  # warm-up
         runs = [_drive(pool, family, workers, steps, solutions) for _ in range(repeats)]
         rss = max(_group_rss_mib(pid) for pid in pool.worker_pids())

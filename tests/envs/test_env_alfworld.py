@@ -71,9 +71,9 @@ def test_expert_plans_win_through_the_pool_and_wrong_plans_lose(env, data_dir):
             for r in pool.poll(timeout=30):
                 assert r.ok, r.reason
                 if r.done:
-                    finals[r.episode] = r
+                    finals[r.env_key] = r
                 else:
-                    pool.submit_step(r.episode, plans[r.episode].pop(0))
+                    pool.submit_step(r.env_key, plans[r.env_key].pop(0))
     assert set(finals) == set(plans)
     won = {ep[1] for ep, r in finals.items() if ep[0] == "win" and r.success and r.score == 1.0}
     assert won == set(ids) and len({env.task_family(t) for t in won}) == 6

@@ -95,9 +95,9 @@ def test_gold_replay_through_the_pool_gives_y1(env, pool):
         for r in pool.poll(timeout=30):
             assert r.ok, r
             if r.done:
-                finals[r.episode] = r
+                finals[r.env_key] = r
             else:
-                pool.submit_step(r.episode, golds[r.episode].pop(0))
+                pool.submit_step(r.env_key, golds[r.env_key].pop(0))
     assert len({POOL[t][0] for t in finals}) >= 3
     assert len({r.worker_pid for r in finals.values()}) == 1
     for tid, r in finals.items():

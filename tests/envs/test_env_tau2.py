@@ -143,9 +143,9 @@ def test_gold_replay_through_the_pool():
                 if r.kind == "reset":
                     assert r.info["system"] and r.info["tools"] and r.info["role"] == "user"
                 if r.done:
-                    finals[r.episode] = r
+                    finals[r.env_key] = r
                 else:
-                    pool.submit_step(r.episode, fam.parse_action(plans[r.episode].pop(0)))
+                    pool.submit_step(r.env_key, fam.parse_action(plans[r.env_key].pop(0)))
     assert set(finals) == set(ids)
     assert all(r.success and r.score == 1.0 for r in finals.values())
     assert {fam.task_family(t) for t in finals} == set(DOMAINS)

@@ -28,9 +28,9 @@ def _run_experts(pool, episodes):
         for r in pool.poll(timeout=5):
             assert r.ok, r
             if r.done:
-                finals[r.episode] = r
+                finals[r.env_key] = r
             else:
-                pool.submit_step(r.episode, plans[r.episode].pop(0))
+                pool.submit_step(r.env_key, plans[r.env_key].pop(0))
     return finals
 
 
@@ -65,11 +65,11 @@ def test_release_frees_the_slot_for_a_waiting_reset():
         pool.submit_reset("a", "builtin", a)
         pool.submit_reset("b", "builtin", b)
         got = pool.wait_all(timeout=30)
-        assert [r.episode for r in got] == ["a"]  # b waits for a slot
+        assert [r.env_key for r in got] == ["a"]  # b waits for a slot
         assert pool.outstanding() == 1
         pool.release("a")
         got = pool.wait_all(timeout=30)
-        assert [r.episode for r in got] == ["b"]
+        assert [r.env_key for r in got] == ["b"]
         with pytest.raises(KeyError):
             pool.submit_step("a", "look")
 
@@ -83,7 +83,7 @@ def test_release_drops_a_result_not_yet_polled():
         while len(pool._ready) < 2 and time.monotonic() < deadline:
             pool._pump(0.1)  # both results reach the pool, neither is polled yet
         pool.release("a")  # e.g. a prefetched reset whose batch did not come
-        assert [r.episode for r in pool.poll(0.0)] == ["b"]
+        assert [r.env_key for r in pool.poll(0.0)] == ["b"]
         with pytest.raises(KeyError):
             pool.submit_step("a", "look")
 
@@ -187,8 +187,8 @@ def test_release_withdraws_a_reset_still_waiting_for_a_slot():
         pool.submit_reset("a", "builtin", a)
         pool.submit_reset("b", "builtin", b)
         pool.release("b")
-        assert [r.episode for r in pool.wait_all(timeout=30)] == ["a"]
+        assert [r.env_key for r in pool.wait_all(timeout=30)] == ["a"]
         assert pool.outstanding() == 0
         pool.release("a")
         pool.submit_reset("b", "builtin", b)  # the id is free again
-        assert [r.episode for r in pool.wait_all(timeout=30)] == ["b"]
+        assert [r.env_key for r in pool.wait_all(timeout=30)] == ["b"]

@@ -67,9 +67,9 @@ def _drive_batch(pool, episodes, faults):
     while len(finals) < len(episodes) and time.monotonic() < end:
         for r in pool.poll(timeout=5):
             if r.done:
-                finals[r.episode] = r
+                finals[r.env_key] = r
             else:
-                pool.submit_step(r.episode, plans[r.episode].pop(0))
+                pool.submit_step(r.env_key, plans[r.env_key].pop(0))
     return finals
 
 
@@ -221,15 +221,15 @@ def test_concurrent_slots_answer_at_once_and_in_completion_order():
         pool.submit_step("a", "rendezvous")
         pool.submit_step("b", "rendezvous")
         got = pool.wait_all(timeout=10)
-        assert sorted(r.episode for r in got) == ["a", "b"]
+        assert sorted(r.env_key for r in got) == ["a", "b"]
         assert all(r.ok and r.observation == "Met." for r in got), got
         # a slot's quick call is answered while another slot's call is still running
         pool.submit_step("slow", "hang")
         pool.submit_step("a", "look")
         (first,) = pool.poll(timeout=2.0)
-        assert first.episode == "a" and first.ok
+        assert first.env_key == "a" and first.ok
         (hung,) = pool.wait_all(timeout=10)
-        assert hung.episode == "slow" and hung.error == "timeout"
+        assert hung.env_key == "slow" and hung.error == "timeout"
         # an idle episode of the killed worker fails at its next call
         pool.submit_step("b", "look")
         (lost,) = pool.wait_all(timeout=10)
@@ -255,10 +255,10 @@ def test_resets_queued_at_a_dead_worker_start_elsewhere_and_idle_losses_name_the
         queued = [e for e in ("new0", "new1", "new2") if pool._episodes[e].worker.proc.pid == victim]
         assert queued  # the path under test: a reset waiting at the victim, never sent
         os.kill(victim, signal.SIGKILL)
-        results = {r.episode: r for r in pool.wait_all(timeout=30)}
+        results = {r.env_key: r for r in pool.wait_all(timeout=30)}
         assert results["hanger"].error == "crashed"
         assert all(results[f"new{i}"].ok for i in range(3)), results
         assert all(results[f"new{i}"].worker_pid != victim for i in range(3))
-        pool.submit_step(idle.episode, "look")
+        pool.submit_step(idle.env_key, "look")
         (lost,) = pool.wait_all(timeout=10)
         assert lost.error == "crashed" and lost.worker_pid == victim and "idle" in lost.reason
