@@ -27,7 +27,7 @@ def refusals() -> tuple[type[BaseException], ...]:
     from cope_jax.rollout.runner import RolloutStalled
     from cope_jax.rollout.tokenizer import TokenizerError
     from cope_jax.run.faults import FaultError
-    from cope_jax.stages.runs import RunDirectoryError
+    from cope_jax.stages.entry import RunDirectoryError
     from envs.base import EnvDataError
     from models.config import ConfigError
     from models.lora import LoraConfigError

@@ -34,7 +34,7 @@ FLAGS = flags.FLAGS
 
 def main(argv):
     cli.start(argv)
-    from cope_jax.stages.runs import eval_run
+    from cope_jax.stages.entry import eval_run
 
     out = eval_run(FLAGS.config, FLAGS.workdir, checkpoint=FLAGS.checkpoint, split=FLAGS.split,
                    samples=FLAGS.samples, tasks=FLAGS.tasks, progress=FLAGS.progress,

@@ -28,7 +28,7 @@ FLAGS = flags.FLAGS
 
 def main(argv):
     cli.start(argv)
-    from cope_jax.stages.runs import train_run
+    from cope_jax.stages.entry import train_run
 
     final = train_run(FLAGS.config, FLAGS.workdir, progress=FLAGS.progress, resume=FLAGS.resume)
     import jax

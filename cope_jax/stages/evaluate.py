@@ -10,7 +10,7 @@ from cope_jax.run import faults as faults_lib
 from cope_jax.run import metrics as metrics_lib
 from cope_jax.run.build import Components
 from cope_jax.run.progress import Bar
-from cope_jax.stages.loop import rollout, runner
+from cope_jax.stages.loop import rollout, rollout_runner
 
 
 def evaluate(parts: Components, step: int, *, split: str | None = None, samples: int | None = None,
@@ -27,7 +27,7 @@ def evaluate(parts: Components, step: int, *, split: str | None = None, samples:
     key = jax.random.fold_in(jax.random.key(c.seed + 1), step)
     share = distributed.process_share(len(schedule))
     bar = Bar(0, share.stop - share.start, enabled=progress and parts.is_main, desc=f"eval step {step} (episodes)")
-    trajs, stats = rollout(parts, runner(parts, "eval"), schedule, key, on_progress=bar.to)
+    trajs, stats = rollout(parts, rollout_runner(parts, "eval"), schedule, key, on_progress=bar.to)
     bar.close()
     trajs, faults = faults_lib.drop(trajs, parts.max_fault_fraction, what=f"evaluation at step {step}")
     summary = metrics_lib.summarize(trajs, overall=parts.family.overall)

@@ -17,7 +17,7 @@ from cope_jax.rollout.runner import RolloutRunner, RolloutStats
 from cope_jax.learning.train_step import Learner
 
 
-def runner(parts: Components, kind: str) -> RolloutRunner:
+def rollout_runner(parts: Components, kind: str) -> RolloutRunner:
     """A rollout runner on the run's sampler and pool, with the settings of `kind` ('train' | 'eval')."""
     c = parts.config
     return RolloutRunner(parts.sampler, parts.pool, c.env.family, parts.family, parts.chat,

@@ -41,7 +41,7 @@ from cope_jax.learning.methods import needing
 from cope_jax.run.progress import Bar, say
 from cope_jax.stages.evaluate import evaluate, evaluate_once
 from cope_jax.rollout.runner import RolloutStats
-from cope_jax.stages.loop import learn, rollout, runner, step_loop
+from cope_jax.stages.loop import learn, rollout, rollout_runner, step_loop
 from cope_jax.learning.train_step import Learner
 
 RESUME_MODES = ("latest", "latest_valid")  # train(resume=...): see resume_from
@@ -62,7 +62,7 @@ def train(parts: Components, progress: bool = True, resume: str = "latest") -> d
     tasks = _TaskBatches(parts)
     ckpt = TrainCheckpointer(os.path.join(parts.workdir, CHECKPOINT_DIR), keep=c.checkpoint.keep)
     start, base_key = _restore(parts, ckpt, learner, tasks, resume)
-    train_runner = runner(parts, "train")
+    train_runner = rollout_runner(parts, "train")
     refill_rounds = int(c.train.refill_rounds)  # the cap of zero_variance='filter'
     bar = Bar(start, c.train.steps, enabled=progress and parts.is_main)
     summary: dict[str, Any] = {}

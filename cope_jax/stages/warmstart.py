@@ -18,7 +18,7 @@ from cope_jax.run.demos import expert_trajectories
 from cope_jax.learning.forecasting import build_examples
 from cope_jax.learning.methods import get_method
 from cope_jax.run.progress import Bar
-from cope_jax.stages.loop import learn, runner, step_loop
+from cope_jax.stages.loop import learn, rollout_runner, step_loop
 from cope_jax.learning.train_step import Learner
 
 
@@ -73,7 +73,7 @@ def _demonstrations(parts: Components) -> list:
     ids = parts.family.task_ids(c.env.train_split)
     ids = ids[:ws.tasks] if ws.tasks else ids
     share = distributed.process_share(len(ids))
-    demos = distributed.gather_shares(expert_trajectories(runner(parts, "train"), ids[share],
+    demos = distributed.gather_shares(expert_trajectories(rollout_runner(parts, "train"), ids[share],
                                                           max_rounds=c.env.max_rounds_train,
                                                           mistakes=ws.mistakes, dawdle=ws.dawdle,
                                                           seed=c.seed + share.start))

@@ -1,5 +1,5 @@
 """`launch.accept`'s rl section: one RL step of the built-in demo (rollout with its environment workers,
-then the update) on this machine, through the trainer's own entry point (`cope_jax.stages.runs.train_run`)
+then the update) on this machine, through the trainer's own entry point (`cope_jax.stages.entry.train_run`)
 in a throw-away run directory, read back from the step's logged record.
 
 No prediction: the step includes environment processes and host work no compiler sees; the train
@@ -18,7 +18,7 @@ def run(*, size: str, repeats: int) -> list[Check]:
     """The demo's own shapes; on an accelerator the second of two steps (the first compiles), on CPU
     the first (a second would double the section's minutes)."""
     del repeats
-    from cope_jax.stages.runs import train_run
+    from cope_jax.stages.entry import train_run
     from launch.accept.train import load_config
 
     steps = 1 if size == "tiny" else 2

@@ -152,7 +152,7 @@ def _settings(c) -> str:
 def _warmstart(root: str) -> str | None:
     """The shared warm start (a zero-step run of the reference arm), written once; None for a config
     without one (every arm starts from the config's own checkpoint, `model.path`)."""
-    from cope_jax.stages.runs import train_run
+    from cope_jax.stages.entry import train_run
     from cope_jax.stages.warmstart import WARMSTART_DIR
 
     c = arm_config(ARMS_BY_NAME[REFERENCE], 0)
@@ -217,7 +217,7 @@ def _run(arm: Arm, seed: int, root: str, warm: str | None, same_as: dict, starte
     `same_as`: settings -> the workdir of the run that computed them; `started`: start key -> the
     evaluation record at step 0 some run of this sweep logged (the others reuse it); `start`: the
     warm start's fingerprint, written into every result."""
-    from cope_jax.stages.runs import train_run
+    from cope_jax.stages.entry import train_run
     from cope_jax.stages.warmstart import WARMSTART_DIR
 
     results = os.path.join(root, "results", f"{arm.name}_seed{seed}.jsonl")

@@ -63,7 +63,7 @@ def test_shared_settings_reach_every_arm_and_bad_ones_are_refused(sweep_flags):
 
 
 def _fake_train(calls, evaluated=None):
-    """Stands in for `cope_jax.stages.runs.train_run`: the warm start when the config has one, an evaluation
+    """Stands in for `cope_jax.stages.entry.train_run`: the warm start when the config has one, an evaluation
     at step 0 unless the log has it (as the real one), then RL steps with evaluations."""
     def train_run(config, workdir, progress=False):
         calls.append(os.path.basename(workdir))
@@ -95,10 +95,10 @@ def _fake_train(calls, evaluated=None):
 
 
 def test_the_sweep_resumes_shares_identical_runs_and_reports(sweep_flags, monkeypatch):
-    import cope_jax.stages.runs
+    import cope_jax.stages.entry
 
     calls, evaluated = [], []
-    monkeypatch.setattr(cope_jax.stages.runs, "train_run", _fake_train(calls, evaluated))
+    monkeypatch.setattr(cope_jax.stages.entry, "train_run", _fake_train(calls, evaluated))
     monkeypatch.setattr(ab, "fingerprint", lambda warm: "start-a")  # the fake warm start is empty
     sweep_flags.ablation_arms, sweep_flags.ablation_seeds = ["grpo", "cope_k2", "cope_lambda_0.001"], ["0", "1"]
     ab.run([])
@@ -167,10 +167,10 @@ def test_the_warm_start_fingerprint_names_the_parameters(tmp_path):
 
 
 def test_a_config_without_warm_start_starts_every_arm_from_its_model(sweep_flags, monkeypatch):
-    import cope_jax.stages.runs
+    import cope_jax.stages.entry
 
     calls = []
-    monkeypatch.setattr(cope_jax.stages.runs, "train_run", _fake_train(calls))
+    monkeypatch.setattr(cope_jax.stages.entry, "train_run", _fake_train(calls))
     sweep_flags.ablation_config = "configs/sciworld.py"
     sweep_flags.ablation_arms, sweep_flags.ablation_seeds = ["grpo", "cope_k2"], ["0"]
     ab.run([])

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from cope_jax.run.build import build
-from cope_jax.stages.runs import eval_run
+from cope_jax.stages.entry import eval_run
 from cope_jax.stages.evaluate import evaluate, stratified
 from cope_jax.stages.warmstart import warmstart
 from models import CheckpointError, ConfigError

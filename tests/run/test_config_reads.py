@@ -6,7 +6,7 @@ import importlib
 import pytest
 
 from configs import base
-from cope_jax.stages.runs import eval_run, train_run
+from cope_jax.stages.entry import eval_run, train_run
 from models import ConfigError
 from tests.config_flags import leaves
 from tests.run.config_reads import recording

@@ -176,7 +176,7 @@ def test_a_worker_killed_at_a_random_moment_of_the_first_rollout_costs_no_episod
     import threading
 
     from cope_jax.rollout.runner import RolloutRunner
-    from cope_jax.stages.runs import train_run
+    from cope_jax.stages.entry import train_run
 
     c = tiny_config("cope", steps=2)
     c.env.update(workers=2, max_rounds_train=4)

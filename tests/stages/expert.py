@@ -19,7 +19,7 @@ def with_a_success_per_group(monkeypatch):
         for g, i in first.items():
             task = trajs[i].task_id
             if task not in cache:
-                (cache[task],) = expert_trajectories(loop.runner(parts, "train"), [task], max_rounds=30)
+                (cache[task],) = expert_trajectories(loop.rollout_runner(parts, "train"), [task], max_rounds=30)
             trajs[i] = dataclasses.replace(cache[task], group_id=g)
         return trajs, stats
 

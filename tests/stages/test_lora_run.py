@@ -9,7 +9,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import models
-from cope_jax.stages.runs import eval_run, train_run
+from cope_jax.stages.entry import eval_run, train_run
 from models import ConfigError, lora
 from tests.stages.test_train_e2e import tiny_config
 

@@ -9,7 +9,7 @@ import pytest
 
 from configs import demo
 from cope_jax.run.build import build
-from cope_jax.stages.runs import train_run
+from cope_jax.stages.entry import train_run
 from cope_jax.stages.rl import train
 from models import CheckpointError
 from tests.config_flags import override_flags

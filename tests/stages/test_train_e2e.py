@@ -12,7 +12,7 @@ import time
 import pytest
 
 from configs import base, demo
-from cope_jax.stages.runs import eval_run, train_run
+from cope_jax.stages.entry import eval_run, train_run
 from tests.config_flags import override_flags
 from tests.stages.expert import with_a_success_per_group
 from tests.paths import ROOT

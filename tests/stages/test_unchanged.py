@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from configs import demo
-from cope_jax.stages.runs import train_run
+from cope_jax.stages.entry import train_run
 from tests.paths import ROOT
 from tests.stages.expert import with_a_success_per_group
 
