@@ -392,7 +392,7 @@ def test_the_warm_start_step_is_planned_when_configured():
     cfg = run_config.random_model_config(c, 1024)
     devices = targets.devices(targets.get_target("v5e-8"))
     names = lambda c: [p.name for p in programs.run_programs(c, cfg, devices, (1, 8, 1))[1]]
-    sampler = ["prefill", "decode", "decode@fill"]
+    sampler = list(programs.SAMPLER_PROGRAMS)
     assert names(c) == ["train_step", "logprobs", *sampler]
     c.warmstart.steps = 10
     assert names(c) == ["train_step", "logprobs", "warmstart_step", *sampler]

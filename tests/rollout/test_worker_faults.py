@@ -26,7 +26,8 @@ from tests.rollout.test_rollout import _runner_parts
 FAMILY = make_family("chaos")
 CALL_TIMEOUT, START_TIMEOUT = 1.0, 3.0
 SPECS = {"chaos": dataclasses.replace(get_spec("chaos"), start_timeout=START_TIMEOUT)}
-BOUND_S = 20.0  # a case's wall time: its timeouts (a start and a call) plus the rollouts, with room
+BOUND_S = 45.0  # a case's wall time: its timeouts (a start and a call) plus the rollouts, with room for a
+# loaded 2-core host (a case takes 2-10 s alone; 21 s was seen beside other tests)
 MOMENTS = ("starting", "warming_up", "reset_in_flight", "step_in_flight", "idle_episodes", "between_rollouts",
            "replacement_starting")
 
@@ -38,11 +39,11 @@ def parts():
 
 @pytest.fixture
 def hard_stop():
-    """A hang fails the test (after 60 s) instead of the suite."""
+    """A hang fails the test (after 90 s) instead of the suite."""
     def stop(*_):
-        raise TimeoutError("hung: still running after 60 s")
+        raise TimeoutError("hung: still running after 90 s")
     previous = signal.signal(signal.SIGALRM, stop)
-    signal.alarm(60)
+    signal.alarm(90)
     yield
     signal.alarm(0)
     signal.signal(signal.SIGALRM, previous)
@@ -193,7 +194,7 @@ def test_a_pool_that_cannot_progress_is_one_line_naming_where_each_call_is(parts
         t0 = time.monotonic()
         with pytest.raises(RolloutStalled) as e:
             runner.run([(tasks[1], 0)], jax.random.key(0))
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 15  # at once: no deadline is waited for
     message = str(e.value)
     assert "\n" not in message and message.startswith("rollout stalled: 1 episodes live, nothing to decode")
     assert "(none can arrive)" in message and "(chaos, idle, 2/2 slots held)" in message
