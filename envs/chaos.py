@@ -4,7 +4,7 @@ Actions `crash` (SIGKILL itself), `exit` (exit without answering), `hang` (never
 `raise` (an exception inside the environment) exercise every failure path of envs.pool; a reset
 with a negative task id hangs. `rendezvous` answers only once another instance in the same worker
 has reached it too (within 5 s; otherwise it raises): it succeeds only where the worker runs its
-slots' calls at once. With `spawn_child=True` the live side starts a long-sleeping child
+instances' calls at once. With `spawn_child=True` the live side starts a long-sleeping child
 process (standing in for ScienceWorld's JVM) and reports its pid in the reset info, so tests can
 check that killing a worker also kills what it started. `reset_delay` / `step_delay` seconds make
 each call take that long, and `WARM_UP_SECONDS` (an environment variable of the worker) makes its

@@ -2,9 +2,10 @@
 
 The rollout loop keeps many episodes in flight while the sampler decodes: it submits resets and
 steps, which are sent to worker *processes* at once, and later collects whatever has finished with
-`poll`. Workers are separate interpreters started with subprocess (never fork: the trainer runs JAX
-threads) and speak JSON lines over pipes (envs.worker), so a family can run under its own virtual
-environment (envs.registry.family_python).
+`poll`. Workers are separate interpreters (envs/processes.py: started, spoken to in JSON lines and
+killed there), so a family can run under its own virtual environment (envs.registry.family_python).
+This module schedules: which worker holds which episode, which call goes next, and what a lost
+worker means for the episodes it held.
 
 Failure model: every request has a deadline (the family's call timeout). A worker that dies
 (SIGKILL, segfault, exit) or misses a deadline is killed with its whole process group (its JVMs
@@ -16,18 +17,18 @@ fails only that episode (`error='env_error'`). The rollout loop replays episodes
 (cope_jax/rollout/runner.py). `poll` never raises for environment faults, so a batch always
 completes; caller mistakes (stepping an unknown episode) do raise.
 
-No orphans: workers lead their own process group, which `close()` (also run by the context manager,
-at interpreter exit and from `__del__`) kills; a worker whose parent dies kills its own group.
+No orphans: `close()` (also run by the context manager, at interpreter exit and from `__del__`) kills
+every worker's process group.
 
     with EnvPool({"sciworld": 4}) as pool:
         pool.submit_reset("ep0", "sciworld", task_id=12, max_rounds=20)
         for r in pool.poll(timeout=1.0): ...
         pool.submit_step("ep0", "look around")
 
-Each worker holds `envs_per_worker` environment instances (slots), i.e. that many live episodes;
-resets beyond the free slots wait in a queue and start as episodes finish or are released. A worker
-answers one call at a time, unless its family has `concurrent_slots` (FamilySpec): then every slot
-has a call in flight at once (ScienceWorld: each slot's JVM works while the others do).
+Each worker holds `envs_per_worker` environment instances, i.e. that many live episodes; resets
+beyond the free instances wait in a queue and start as episodes finish or are released. A worker
+answers one call at a time, unless its family has `concurrent_instances` (FamilySpec): then every
+instance has a call in flight at once (ScienceWorld: each instance's JVM works while the others do).
 An EnvPool is driven from one thread (the rollout loop); it starts no threads of its own.
 """
 
@@ -35,29 +36,17 @@ from __future__ import annotations
 
 import atexit
 import collections
-import json
-import os
 import selectors
 import shutil
-import signal
-import subprocess
 import tempfile
 import time
 import weakref
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Hashable, Mapping
 
-from envs.base import LAUNCH_DIR
+from envs.processes import BASE_ENV, WorkerGone, WorkerProcess, worker_env
 from envs.registry import FamilySpec, family_python, get_spec
 
-_REPO_ROOT = str(Path(__file__).resolve().parent.parent)
-# what every worker takes from the trainer's environment: the interpreter's, locale's and JVM's
-# basics. A family adds the variables it reads (FamilySpec.env_vars), a pool its `env_vars` (a
-# tau2 customer's key); anything else (API keys, cloud credentials) stays in the trainer.
-BASE_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "TZ",
-            "TMPDIR", "TERM", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "JAVA_HOME", "PYTHONPATH", "PYTHONHASHSEED",
-            "GLIBC_TUNABLES")
 _MAX_START_FAILURES = 3          # consecutive failed starts before a family is declared broken
 _CLOSE_GRACE = 2.0               # seconds a worker gets to exit cleanly on close()
 
@@ -93,12 +82,12 @@ class _Request:
 
 
 @dataclass
-class _EpisodeSlot:
-    """An episode's environment slot: the worker and slot holding its environment (None and -1
-    while its reset waits for one), and the state of its calls."""
+class _Episode:
+    """Where a live episode is: the worker and instance holding its environment (None and -1 while
+    its reset waits for one), and the state of its calls."""
     family: str
     worker: "_Worker | None" = None
-    slot: int = -1
+    instance: int = -1
     busy: bool = True                          # a call of it has no answer yet
     score: float = 0.0
     lost: str | None = None                    # set when its worker died while it was idle
@@ -107,34 +96,28 @@ class _EpisodeSlot:
 
 
 class _Worker:
-    """One worker process and its bookkeeping (owned by EnvPool)."""
+    """A worker's schedule (owned by EnvPool): the episode each of its instances holds, the calls
+    queued for it and those it is answering, and its process (None before the first start)."""
 
-    def __init__(self, family: str, slots: int) -> None:
+    def __init__(self, family: str, instances: int) -> None:
         self.family = family
-        self.slots: list[Hashable | None] = [None] * slots
+        self.instances: list[Hashable | None] = [None] * instances
         self.queue: collections.deque[_Request] = collections.deque()
-        self.inflight: dict[int, _Request] = {}  # slot -> request the worker is answering
-        self.proc: subprocess.Popen | None = None
+        self.inflight: dict[int, _Request] = {}  # instance -> request the worker is answering
+        self.process: WorkerProcess | None = None
         self.state = "dead"                    # starting | idle | dead
-        self.buf = bytearray()
-        self.stderr = None
         self.started_at = 0.0
         self.start_failures = 0
-        self.killed = False
 
-    def free_slot(self) -> int:
-        return self.slots.index(None) if None in self.slots else -1
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
 
-    def stderr_tail(self, n: int = 1500) -> str:
-        if self.stderr is None:
-            return ""
-        try:
-            self.stderr.seek(0, os.SEEK_END)
-            size = self.stderr.tell()
-            self.stderr.seek(max(0, size - n))
-            return self.stderr.read().decode("utf-8", "replace").strip()
-        except (OSError, ValueError):
-            return ""
+    def free_instance(self) -> int:
+        return self.instances.index(None) if None in self.instances else -1
+
+    def held(self) -> int:
+        return sum(e is not None for e in self.instances)
 
 
 _LIVE_POOLS: "weakref.WeakSet[EnvPool]" = weakref.WeakSet()
@@ -180,7 +163,7 @@ class EnvPool:
         self._env_vars = {name: BASE_ENV + spec.env_vars + tuple((env_vars or {}).get(name, ()))
                           for name, spec in self._specs.items()}
         self._cwds: dict[str, str] = {}  # family -> its workers' own directory (FamilySpec.own_cwd)
-        self._episodes: dict[Hashable, _EpisodeSlot] = {}
+        self._episodes: dict[Hashable, _Episode] = {}
         self._waiting: dict[str, collections.deque[_Request]] = {
             name: collections.deque() for name in workers}
         self._broken: dict[str, str] = {}
@@ -206,7 +189,7 @@ class EnvPool:
             raise ValueError(f"no workers for family {family!r}")
         if env_key in self._episodes:
             raise ValueError(f"episode {env_key!r} is still live or has a call in flight")
-        self._episodes[env_key] = _EpisodeSlot(family)
+        self._episodes[env_key] = _Episode(family)
         req = _Request("reset", env_key, {"op": "reset", "task_id": int(task_id),
                                           "max_rounds": max_rounds}, time.monotonic())
         if family in self._broken:
@@ -228,19 +211,19 @@ class EnvPool:
         if ep.lost is not None:
             self._fail(req, "crashed", ep.lost, ep.lost_pid)
             return
-        req.payload["slot"] = ep.slot
+        req.payload["instance"] = ep.instance
         ep.worker.queue.append(req)
         self._dispatch(ep.worker)
 
     def release(self, env_key: Hashable) -> None:
-        """End an episode early (e.g. the round limit was hit); frees its slot. A result of it not
+        """End an episode early (e.g. the round limit was hit); frees its instance. A result of it not
         yet returned by poll() is dropped."""
         ep = self._episodes.get(env_key)
         if ep is None or ep.released:
             return
         ep.released = True
         self._ready = [r for r in self._ready if r.env_key != env_key]
-        if ep.worker is None:  # its reset still waits for a slot: withdraw it
+        if ep.worker is None:  # its reset still waits for an instance: withdraw it
             queue = self._waiting[ep.family]
             for req in [r for r in queue if r.env_key == env_key]:
                 queue.remove(req)
@@ -272,7 +255,7 @@ class EnvPool:
 
     def wait_all(self, timeout: float | None = None) -> list[EnvResult]:
         """Poll until no result can arrive without a new submit (or `timeout`); returns them all.
-        Resets waiting for a slot held by an idle episode stay queued."""
+        Resets waiting for an instance held by an idle episode stay queued."""
         end = None if timeout is None else time.monotonic() + timeout
         out: list[EnvResult] = []
         while self.can_progress() or self._ready:
@@ -290,7 +273,7 @@ class EnvPool:
     def can_progress(self) -> bool:
         """Whether a result can still arrive without the caller doing anything: a call is at a
         worker (sent, or queued behind another or behind the worker's start). A reset waiting for
-        a slot held by an idle episode cannot: that episode must end or be released first."""
+        an instance held by an idle episode cannot: that episode must end or be released first."""
         return any(w.inflight or w.queue for w in self._workers)
 
     def quiet_limit(self) -> float:
@@ -305,25 +288,24 @@ class EnvPool:
         for w in self._workers:
             calls = [f"{r.kind} {r.env_key!r} sent {now - r.sent:.1f}s ago" for r in w.inflight.values()]
             calls += [f"{r.kind} {r.env_key!r} queued" for r in w.queue]
-            held = sum(e is not None for e in w.slots)
-            parts.append(f"worker {w.proc.pid if w.proc else None} ({w.family}, {w.state}, {held}/{len(w.slots)} "
-                         f"slots held){': ' + ', '.join(calls) if calls else ''}")
+            parts.append(f"worker {w.pid} ({w.family}, {w.state}, {w.held()}/{len(w.instances)} "
+                         f"instances held){': ' + ', '.join(calls) if calls else ''}")
         waiting = sum(len(q) for q in self._waiting.values())
-        return "; ".join(parts) + f"; {waiting} resets waiting for a slot"
+        return "; ".join(parts) + f"; {waiting} resets waiting for an instance"
 
-    def has_slot(self, env_key: Hashable) -> bool:
-        """Whether a live episode holds an environment slot (its reset is not queued for one)."""
+    def has_instance(self, env_key: Hashable) -> bool:
+        """Whether a live episode holds an environment instance (its reset is not queued for one)."""
         ep = self._episodes.get(env_key)
         return ep is not None and ep.worker is not None
 
     def capacity(self, family: str) -> int:
-        """Environment slots of a family: how many of its episodes can be live at once."""
-        return sum(len(w.slots) for w in self._workers if w.family == family)
+        """Environment instances of a family: how many of its episodes can be live at once."""
+        return sum(len(w.instances) for w in self._workers if w.family == family)
 
     def worker_pids(self, family: str | None = None) -> list[int]:
         """Pids of live worker processes (for tests and monitoring)."""
-        return [w.proc.pid for w in self._workers
-                if w.proc is not None and w.state != "dead" and family in (None, w.family)]
+        return [w.pid for w in self._workers
+                if w.process is not None and w.state != "dead" and family in (None, w.family)]
 
     def close(self) -> None:
         """Stop every worker and everything it started. Idempotent."""
@@ -333,19 +315,12 @@ class EnvPool:
         for w in self._workers:
             if w.state != "idle" or w.inflight:
                 self._kill(w)  # busy or still starting: it would not read the request
-            elif w.proc is not None:
-                try:
-                    w.proc.stdin.write(b'{"op": "close"}\n')
-                    w.proc.stdin.flush()
-                except OSError:
-                    pass
+            elif w.process is not None:
+                w.process.send({"op": "close"})
         end = time.monotonic() + _CLOSE_GRACE
         for w in self._workers:
-            if w.proc is not None and w.state != "dead":
-                try:
-                    w.proc.wait(timeout=max(0.0, end - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
+            if w.process is not None and w.state != "dead":
+                w.process.wait(end - time.monotonic())
             self._kill(w)
         for cwd in self._cwds.values():
             shutil.rmtree(cwd, ignore_errors=True)
@@ -365,85 +340,48 @@ class EnvPool:
             pass
 
     # ---- workers ------------------------------------------------------------------------------
-    def _worker_env(self, family: str) -> tuple[dict[str, str], str | None]:
-        """A worker's environment (the allow-listed variables, BASE_ENV) and working directory."""
-        env = {k: os.environ[k] for k in self._env_vars[family] if k in os.environ}
-        env["PYTHONPATH"] = os.pathsep.join(
-            [_REPO_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-        env["PYTHONUNBUFFERED"] = "1"
-        env["PYTHONIOENCODING"] = "utf-8"
-        if not self._specs[family].own_cwd:
-            return env, None
-        if family not in self._cwds:
-            self._cwds[family] = tempfile.mkdtemp(prefix=f"cope-{family}-")
-        env[LAUNCH_DIR] = os.getcwd()
-        return env, self._cwds[family]
-
     def _spawn(self, w: _Worker) -> None:
-        env, cwd = self._worker_env(w.family)
-        w.stderr = tempfile.TemporaryFile()
-        w.buf = bytearray()
-        w.killed = False
+        spec = self._specs[w.family]
+        if spec.own_cwd and w.family not in self._cwds:
+            self._cwds[w.family] = tempfile.mkdtemp(prefix=f"cope-{w.family}-")
+        init = {"op": "init", "target": spec.target, "kwargs": self._kwargs[w.family],
+                "concurrent": spec.concurrent_instances}
         try:
-            w.proc = subprocess.Popen(
-                [self._python[w.family], "-m", "envs.worker"], stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=w.stderr, env=env, cwd=cwd, start_new_session=True)
+            w.process = WorkerProcess(self._python[w.family], init, worker_env(self._env_vars[w.family],
+                                      own_cwd=spec.own_cwd), self._cwds.get(w.family))
         except OSError as e:  # no such interpreter: retrying will not help
-            w.proc, w.state = None, "dead"
-            w.stderr.close()
-            w.stderr = None
+            w.process, w.state = None, "dead"
             w.start_failures = _MAX_START_FAILURES - 1
             self._start_failed(w, f"cannot start {self._python[w.family]}: {e}")
             return
-        init = {"op": "init", "target": self._specs[w.family].target,
-                "kwargs": self._kwargs[w.family], "concurrent": self._specs[w.family].concurrent_slots}
-        try:
-            w.proc.stdin.write(json.dumps(init).encode() + b"\n")
-            w.proc.stdin.flush()
-        except OSError:
-            pass  # it died at once: the EOF on its stdout reports the failed start
-        os.set_blocking(w.proc.stdout.fileno(), False)
-        self._sel.register(w.proc.stdout, selectors.EVENT_READ, w)
+        self._sel.register(w.process.stdout, selectors.EVENT_READ, w)
         w.state = "starting"
         w.started_at = time.monotonic()
 
     def _kill(self, w: _Worker) -> None:
-        """Kill a worker's process group and reap it (once per process)."""
-        if w.proc is None or w.killed:
+        """Kill a worker's process group and stop listening to it."""
+        if w.process is None:
             return
-        w.killed = True
         try:
-            self._sel.unregister(w.proc.stdout)
+            self._sel.unregister(w.process.stdout)
         except (KeyError, ValueError, RuntimeError):
             pass
-        try:
-            os.killpg(w.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            w.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL does not time out
-            pass
-        for f in (w.proc.stdin, w.proc.stdout, w.stderr):
-            try:
-                f.close()
-            except (OSError, AttributeError):
-                pass
+        w.process.kill()
         w.state = "dead"
 
     def _worker_lost(self, w: _Worker, error: str, reason: str, culprit: _Request | None = None) -> None:
         """The worker died or hung: fail its episodes, replace it. With `culprit` (the call that
         missed its deadline) only that call gets `error`; the worker's other calls in flight
         were lost with it ('crashed')."""
-        code = w.proc.poll() if w.proc is not None else None
-        tail = w.stderr_tail()
+        process, pid = w.process, w.pid
+        code = None if process is None else process.exit_code()
+        tail = "" if process is None else process.stderr_tail()
         self._kill(w)
-        if code is None and w.proc is not None:
-            code = w.proc.returncode
-        detail = f"{reason} (pid {w.proc.pid if w.proc else None}, exit {code})"
+        if code is None and process is not None:
+            code = process.exit_code()
+        detail = f"{reason} (pid {pid}, exit {code})"
         if tail:
             detail += f"; stderr tail: {tail[-600:]}"
-        pid = w.proc.pid if w.proc is not None else None
         failed = []
         for req in w.inflight.values():
             if culprit is None or req is culprit:
@@ -459,14 +397,14 @@ class EnvPool:
         w.queue.clear()
         for req, err, why in failed:
             self._fail(req, err, why, pid)
-        for env_key in w.slots:
+        for env_key in w.instances:
             ep = self._episodes.get(env_key) if env_key is not None else None
             if ep is not None and ep.worker is w and not ep.busy:
                 ep.lost, ep.lost_pid = f"worker lost while idle: {detail}", pid
-        w.slots = [None] * len(w.slots)
+        w.instances = [None] * len(w.instances)
         for req in reversed(unsent):  # in their order, ahead of later resets
-            self._episodes[req.env_key].worker, self._episodes[req.env_key].slot = None, -1
-            del req.payload["slot"]
+            self._episodes[req.env_key].worker, self._episodes[req.env_key].instance = None, -1
+            del req.payload["instance"]
             self._waiting[w.family].appendleft(req)
         if not (self._closed or w.family in self._broken):
             self._spawn(w)
@@ -509,29 +447,18 @@ class EnvPool:
         return min(deadlines, default=time.monotonic() + 0.5)
 
     def _read(self, w: _Worker) -> None:
+        process = w.process
         try:
-            chunk = os.read(w.proc.stdout.fileno(), 1 << 20)
-        except BlockingIOError:
-            return
-        except OSError:
-            chunk = b""
-        if not chunk:
-            if w.state == "starting":
-                self._start_failed(w, "worker exited during start-up: " + w.stderr_tail())
+            for msg in process.messages():
+                self._handle(w, msg)
+                if w.process is not process or w.state == "dead":  # lost (and replaced) meanwhile
+                    return
+        except WorkerGone as e:
+            if e.died and w.state == "starting":
+                self._start_failed(w, "worker exited during start-up: " + process.stderr_tail())
                 self._worker_lost(w, "start_failed", "exited during start-up")
             else:
-                self._worker_lost(w, "crashed", "worker process died")
-            return
-        w.buf += chunk
-        while b"\n" in w.buf and w.state != "dead":
-            line, _, rest = bytes(w.buf).partition(b"\n")
-            w.buf = bytearray(rest)
-            try:
-                msg = json.loads(line)
-            except ValueError:
-                self._worker_lost(w, "crashed", f"garbled message {line[:200]!r}")
-                return
-            self._handle(w, msg)
+                self._worker_lost(w, "crashed", str(e))
 
     def _handle(self, w: _Worker, msg: dict[str, Any]) -> None:
         if "ready" in msg:
@@ -545,9 +472,9 @@ class EnvPool:
             self._assign_waiting(w.family)
             self._dispatch(w)
             return
-        req = w.inflight.pop(msg.get("slot"), None)
+        req = w.inflight.pop(msg.get("instance"), None)
         if req is None:
-            self._worker_lost(w, "crashed", f"unexpected message for slot {msg.get('slot')!r}")
+            self._worker_lost(w, "crashed", f"unexpected message for instance {msg.get('instance')!r}")
             return
         ep = self._episodes[req.env_key]
         ep.busy = False
@@ -556,11 +483,11 @@ class EnvPool:
             result = EnvResult(req.env_key, req.kind, msg.get("observation", ""), ep.score,
                                bool(msg.get("done")), bool(msg.get("success")),
                                msg.get("info") or {}, None, "",
-                               time.monotonic() - req.submitted, w.proc.pid)
+                               time.monotonic() - req.submitted, w.pid)
         else:
             result = EnvResult(req.env_key, req.kind, "", ep.score, True, False, {},
                                msg.get("error", "env_error"), str(msg.get("reason", "")),
-                               time.monotonic() - req.submitted, w.proc.pid)
+                               time.monotonic() - req.submitted, w.pid)
         if ep.released:
             self._end_episode(req.env_key)
         else:
@@ -571,41 +498,37 @@ class EnvPool:
 
     # ---- scheduling ---------------------------------------------------------------------------
     def _dispatch(self, w: _Worker) -> None:
-        """Send queued calls the worker can start now: one at a time, or with concurrent slots one
-        per slot (a slot's calls stay in order), so each call's deadline covers only its own work."""
-        concurrent = self._specs[w.family].concurrent_slots
+        """Send queued calls the worker can start now: one at a time, or with concurrent instances one
+        per instance (an instance's calls stay in order), so each call's deadline covers only its own work."""
+        concurrent = self._specs[w.family].concurrent_instances
         while w.state == "idle" and w.queue and (concurrent or not w.inflight):
-            req = next((r for r in w.queue if r.payload["slot"] not in w.inflight), None)
+            req = next((r for r in w.queue if r.payload["instance"] not in w.inflight), None)
             if req is None:
                 return
             w.queue.remove(req)
             req.sent = time.monotonic()
-            w.inflight[req.payload["slot"]] = req
-            try:
-                w.proc.stdin.write(json.dumps(req.payload).encode("utf-8") + b"\n")
-                w.proc.stdin.flush()
-            except OSError:
+            w.inflight[req.payload["instance"]] = req
+            if not w.process.send(req.payload):
                 self._worker_lost(w, "crashed", "worker pipe closed")
                 return
 
     def _assign_waiting(self, family: str) -> None:
-        """Give queued resets the free slots of this family's workers (least loaded first)."""
+        """Give queued resets the free instances of this family's workers (least loaded first)."""
         queue = self._waiting[family]
         while queue:
             candidates = [w for w in self._workers if w.family == family and w.state != "dead"
-                          and w.free_slot() >= 0]
+                          and w.free_instance() >= 0]
             if not candidates:
                 return
-            w = min(candidates, key=lambda w: (w.state != "idle",
-                                               sum(s is not None for s in w.slots)))
+            w = min(candidates, key=lambda w: (w.state != "idle", w.held()))
             req = queue.popleft()
             ep = self._episodes.get(req.env_key)
             if ep is None or ep.released:
                 continue
-            slot = w.free_slot()
-            w.slots[slot] = req.env_key
-            ep.worker, ep.slot = w, slot
-            req.payload["slot"] = slot
+            instance = w.free_instance()
+            w.instances[instance] = req.env_key
+            ep.worker, ep.instance = w, instance
+            req.payload["instance"] = instance
             w.queue.append(req)
             self._dispatch(w)
 
@@ -614,8 +537,8 @@ class EnvPool:
         if ep is None:
             return
         w = ep.worker
-        if w is not None and 0 <= ep.slot < len(w.slots) and w.slots[ep.slot] == env_key:
-            w.slots[ep.slot] = None
+        if w is not None and 0 <= ep.instance < len(w.instances) and w.instances[ep.instance] == env_key:
+            w.instances[ep.instance] = None
             self._assign_waiting(ep.family)
 
     def _fail(self, req: _Request, error: str, reason: str, pid: int | None = None) -> None:

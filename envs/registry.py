@@ -24,12 +24,12 @@ class FamilySpec:
     target: str                               # "module:Class" of an envs.base.EnvFamily
     call_timeout: float = 60.0                # default per-call timeout in the pool (seconds)
     start_timeout: float = 120.0              # worker start-up (interpreter + imports)
-    # a worker runs its slots' calls at once, a thread per slot: for families whose instances are
+    # a worker runs its instances' calls at once, a thread per instance: for families whose instances are
     # independent and whose calls release the GIL (ScienceWorld: one JVM per instance, reached
     # over a socket); pure-Python or shared-state families answer one call at a time
-    concurrent_slots: bool = False
+    concurrent_instances: bool = False
     kwargs: dict[str, Any] = field(default_factory=dict)
-    # variables of the trainer's environment the workers read, beyond envs/pool.py's BASE_ENV (the
+    # variables of the trainer's environment the workers read, beyond envs/processes.py's BASE_ENV (the
     # rest, credentials included, stay in the trainer)
     env_vars: tuple[str, ...] = ()
     # workers start in an empty directory of their own: for families that run the policy's code
@@ -43,7 +43,7 @@ class FamilySpec:
 FAMILIES: dict[str, FamilySpec] = {
     spec.name: spec for spec in (
         FamilySpec("builtin", "envs.builtin:BuiltinEnv", call_timeout=10.0),
-        FamilySpec("sciworld", "envs.sciworld:SciWorldEnv", call_timeout=60.0, concurrent_slots=True),
+        FamilySpec("sciworld", "envs.sciworld:SciWorldEnv", call_timeout=60.0, concurrent_instances=True),
         FamilySpec("alfworld", "envs.alfworld:AlfWorldEnv", call_timeout=60.0, env_vars=("ALFWORLD_DATA",)),
         FamilySpec("webshop", "envs.webshop:WebShopEnv", call_timeout=60.0, start_timeout=300.0,
                    env_vars=("WEBSHOP_ROOT",)),

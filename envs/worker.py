@@ -6,16 +6,16 @@ lines (plain data) on stdin / the original stdout:
 
     parent -> worker: {"op": "init", "target": "module:Class", "kwargs": {...},
                        "concurrent": false}                                    (first line)
-                      {"op": "reset", "slot": 0, "task_id": 7, "max_rounds": 20}
-                      {"op": "step", "slot": 0, "action": "go north" | null}
+                      {"op": "reset", "instance": 0, "task_id": 7, "max_rounds": 20}
+                      {"op": "step", "instance": 0, "action": "go north" | null}
                       {"op": "close"}
     worker -> parent: {"ready": true, "pid": ...}  or  {"ready": false, "reason": ...}
-                      {"ok": true, "slot": 0, "observation": ..., "score": ..., "done": ...,
+                      {"ok": true, "instance": 0, "observation": ..., "score": ..., "done": ...,
                        "success": ..., "info": {...}}
-                      or  {"ok": false, "slot": 0, "error": "env_error", "reason": ...}
+                      or  {"ok": false, "instance": 0, "error": "env_error", "reason": ...}
 
-With "concurrent" the slots' requests run at the same time (a thread per slot) and replies come in
-completion order, each naming its slot; otherwise one request at a time, in order.
+With "concurrent" the instances' requests run at the same time (a thread per instance) and replies come in
+completion order, each naming its instance; otherwise one request at a time, in order.
 
 Anything an environment prints goes to stderr (fd 1 is re-pointed there), so it cannot corrupt the
 protocol. A watchdog thread kills the worker's whole process group (its JVMs included) when the
@@ -63,13 +63,13 @@ class _Channel:
         return json.loads(line) if line else None
 
 
-class _Slots:
-    """The worker's environment instances, one per slot, each used by one thread only.
+class _Instances:
+    """The worker's environment instances, each used by one thread only.
 
     Serial (default): requests run one after another on the main thread. Concurrent (the family's
-    `concurrent_slots`): each slot has its own thread, so one slot's reset or step (ScienceWorld:
-    a call into its own JVM, which releases the GIL) runs while another slot's is in progress;
-    requests of one slot still run in order.
+    `concurrent_instances`): each instance has its own thread, so one instance's reset or step (ScienceWorld:
+    a call into its own JVM, which releases the GIL) runs while another instance's is in progress;
+    requests of one instance still run in order.
     """
 
     def __init__(self, cls, kwargs: dict, chan: _Channel, concurrent: bool) -> None:
@@ -81,51 +81,51 @@ class _Slots:
         self._threads: list[threading.Thread] = []
 
     def submit(self, msg: dict) -> None:
-        slot = int(msg.get("slot", 0))
+        instance = int(msg.get("instance", 0))
         if not self._concurrent:
-            self._run(slot, msg)
+            self._run(instance, msg)
             return
-        q = self._queues.get(slot)
+        q = self._queues.get(instance)
         if q is None:
-            q = self._queues[slot] = queue.SimpleQueue()
-            t = threading.Thread(target=self._serve_slot, args=(slot, q), daemon=True)
+            q = self._queues[instance] = queue.SimpleQueue()
+            t = threading.Thread(target=self._serve_instance, args=(instance, q), daemon=True)
             t.start()
             self._threads.append(t)
         q.put(msg)
 
-    def _serve_slot(self, slot: int, q: queue.SimpleQueue) -> None:
+    def _serve_instance(self, instance: int, q: queue.SimpleQueue) -> None:
         while (msg := q.get()) is not None:
-            self._run(slot, msg)
+            self._run(instance, msg)
 
     def _send(self, msg: dict) -> None:
         with self._send_lock:
             self._chan.send(msg)
 
-    def _run(self, slot: int, msg: dict) -> None:
+    def _run(self, instance: int, msg: dict) -> None:
         try:
             if msg["op"] == "reset":
-                env = self._envs.get(slot)
+                env = self._envs.get(instance)
                 if env is None:
-                    env = self._envs[slot] = self._cls(**self._kwargs)
+                    env = self._envs[instance] = self._cls(**self._kwargs)
                 obs, info = env.reset(msg["task_id"], msg.get("max_rounds"))
                 score = float(info.get("score", 0.0))
-                self._send({"ok": True, "slot": slot, "observation": obs, "score": score, "done": False,
+                self._send({"ok": True, "instance": instance, "observation": obs, "score": score, "done": False,
                             "success": False, "info": info})
             elif msg["op"] == "step":
-                env = self._envs[slot]
+                env = self._envs[instance]
                 obs, score, done, info = env.step(msg.get("action"))
-                self._send({"ok": True, "slot": slot, "observation": obs, "score": score, "done": done,
+                self._send({"ok": True, "instance": instance, "observation": obs, "score": score, "done": done,
                             "success": bool(env.success(score, done, info)), "info": info})
             else:
-                self._send({"ok": False, "slot": slot, "error": "env_error", "reason": f"bad op {msg['op']!r}"})
+                self._send({"ok": False, "instance": instance, "error": "env_error", "reason": f"bad op {msg['op']!r}"})
         except Exception:  # noqa: BLE001 - the episode fails, the worker lives on
-            env = self._envs.pop(slot, None)
+            env = self._envs.pop(instance, None)
             try:
                 if env is not None:
                     env.close()
             except Exception:  # noqa: BLE001
                 pass
-            self._send({"ok": False, "slot": slot, "error": "env_error", "reason": traceback.format_exc(limit=8)})
+            self._send({"ok": False, "instance": instance, "error": "env_error", "reason": traceback.format_exc(limit=8)})
 
     def close(self) -> None:
         for q in self._queues.values():
@@ -153,15 +153,15 @@ def _serve(chan: _Channel) -> None:
         chan.send({"ready": False, "reason": traceback.format_exc(limit=5)})
         return
     chan.send({"ready": True, "pid": os.getpid()})
-    slots = _Slots(cls, kwargs, chan, bool(init.get("concurrent")))
+    instances = _Instances(cls, kwargs, chan, bool(init.get("concurrent")))
     try:
         while True:
             msg = chan.recv()
             if msg is None or msg.get("op") == "close":
                 return
-            slots.submit(msg)
+            instances.submit(msg)
     finally:
-        slots.close()
+        instances.close()
 
 
 def main() -> None:

@@ -27,7 +27,6 @@ import numpy as np
 from flax import nnx
 
 from models import model_dir, qwen
-from models import sharding as shd
 from models.config import QwenConfig
 from models.safetensors_io import DTYPE_NAMES, INDEX_FILE, SINGLE_FILE, CheckpointError, TensorSource
 from models.config import ConfigError
@@ -167,7 +166,7 @@ def load_params(directory: str, cfg: QwenConfig, mesh=None) -> qwen.Qwen:
 
     def build(keypath, leaf):
         path = qwen.param_path(keypath)
-        sharding = single if mesh is None else shd.named_sharding(qwen.PARAM_AXES[path], leaf.shape, mesh)
+        sharding = single if mesh is None else qwen.param_sharding(path, leaf.shape, mesh)
         read = _reader(source, path, cfg, leaf.shape, np.dtype(leaf.dtype))
         return jax.make_array_from_callback(leaf.shape, sharding, read)
 
@@ -199,7 +198,7 @@ def export_tensors(model: qwen.Qwen, dtype=None) -> list[ExportTensor]:
     """The HF tensors of `model` in file order: embedding, layer by layer, final norm, head."""
     cfg = model.cfg
     dtype = jnp.dtype(dtype or qwen.stored_dtype(cfg))
-    arrays = qwen.merged_arrays(model)  # LoRA adapters merged
+    arrays = qwen.merged_params(model)  # LoRA adapters merged
 
     def tensor(path: str, layer: int | None) -> ExportTensor:
         arr, layout = arrays[path], HF_KEYS[path][1]

@@ -24,7 +24,6 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from models import hf_io, model_dir, native_stderr, qwen
-from models import sharding as shd
 from models.config import QwenConfig
 from models.safetensors_io import CheckpointError
 
@@ -86,7 +85,7 @@ def load_params(directory: str, cfg: QwenConfig, mesh=None) -> qwen.Qwen:
 
     def target(keypath, leaf):
         path = by_keypath[keypath]
-        sharding = single if mesh is None else shd.named_sharding(qwen.PARAM_AXES[path], leaf.shape, mesh)
+        sharding = single if mesh is None else qwen.param_sharding(path, leaf.shape, mesh)
         return jax.ShapeDtypeStruct(tuple(leaf.shape), dtype, sharding=sharding)
 
     abstract = jax.tree_util.tree_map_with_path(target, tree)
@@ -128,7 +127,7 @@ def save_orbax(model: qwen.Qwen, directory: str, *, dtype=None, carry_from: str 
     """
     cfg = model.cfg
     dtype = jnp.dtype(dtype or qwen.stored_dtype(cfg))
-    arrays = qwen.merged_arrays(model)  # LoRA adapters merged
+    arrays = qwen.merged_params(model)  # LoRA adapters merged
     tree: dict = {}
     for path, arr in arrays.items():
         *parents, leaf = path.split("/")

@@ -130,11 +130,11 @@ class KVCache:
     @classmethod
     def zeros(cls, cfg: QwenConfig, batch: int, max_len: int, dtype=None, mesh=None) -> "KVCache":
         dtype = jnp.dtype(dtype or cfg.dtype)
-        shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        shape = cache_shape(cfg, batch, max_len)
         # made on their shardings (no whole cache on one device first); k and v are distinct
         # buffers so a jitted update can donate both
-        kv = None if mesh is None else shd.named_sharding(CACHE_AXES, shape, mesh)
-        rows = None if mesh is None else shd.named_sharding(("batch",), (batch,), mesh)
+        shardings = cache_shardings(cfg, batch, max_len, mesh)
+        kv, rows = (None, None) if shardings is None else (shardings[0].k, shardings[1])
         return cls(k=jnp.zeros(shape, dtype, device=kv), v=jnp.zeros(shape, dtype, device=kv),
                    lengths=jnp.zeros((batch,), jnp.int32, device=rows))
 
@@ -410,11 +410,40 @@ def param_path(keypath) -> str:
     return "/".join(parts)
 
 
+def param_sharding(name: str, shape, mesh: jax.sharding.Mesh):
+    """NamedSharding of parameter `name` ('layers/q_proj') of `shape`: PARAM_AXES through the
+    logical-axis rules. Every parameter placement in the code base comes from here."""
+    return shd.named_sharding(PARAM_AXES[name], shape, mesh)
+
+
 def state_shardings(state, mesh: jax.sharding.Mesh):
-    """NamedSharding per parameter of an (abstract) nnx.State, from PARAM_AXES."""
+    """NamedSharding per leaf of a state that holds parameters (a model's, or a (model, optimizer)'s):
+    each leaf is laid out as the parameter its path ends with (AdamW's moments like their parameter);
+    scalars (a step count) are replicated. Any other leaf is an error, not a silent replica."""
     def one(path, leaf):
-        return shd.named_sharding(PARAM_AXES[param_path(path)], leaf.shape, mesh)
+        name = param_path(path)
+        for param in PARAM_AXES:
+            if (name == param or name.endswith("/" + param)) and len(PARAM_AXES[param]) == len(leaf.shape):
+                return param_sharding(param, leaf.shape, mesh)
+        if len(leaf.shape) == 0:
+            return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        raise KeyError(f"{name!r} {tuple(leaf.shape)} is not laid out like any parameter")
     return jax.tree_util.tree_map_with_path(one, state)
+
+
+def cache_shardings(cfg: QwenConfig, rows: int, slots: int, mesh) -> tuple[KVCache, object] | None:
+    """(KVCache of shardings, the rows' sharding) of a cache of `rows` rows of `slots` positions on
+    `mesh` (None without one): CACHE_AXES through the logical-axis rules, rows like the batch."""
+    if mesh is None:
+        return None
+    kv = shd.named_sharding(CACHE_AXES, cache_shape(cfg, rows, slots), mesh)
+    row = shd.named_sharding(("batch",), (rows,), mesh)
+    return KVCache(k=kv, v=kv, lengths=row), row
+
+
+def cache_shape(cfg: QwenConfig, rows: int, slots: int) -> tuple[int, ...]:
+    """[layers, rows, slots, kv_heads, head_dim]: one of the cache's k and v."""
+    return (cfg.num_layers, rows, slots, cfg.num_kv_heads, cfg.head_dim)
 
 
 def frozen_config(cfg: QwenConfig) -> QwenConfig:
@@ -430,7 +459,7 @@ def frozen_copy(model: Qwen) -> Qwen:
     adapters merged into their weights."""
     cfg = frozen_config(model.cfg)
     graphdef, abstract = nnx.split(abstract_model(cfg, model.mesh))
-    flat = merged_arrays(model)
+    flat = merged_params(model)
     return nnx.merge(graphdef, with_arrays(abstract, lambda name: jnp.array(flat[name], dtype=cfg.param_dtype)))
 
 
@@ -450,10 +479,10 @@ def stored_dtype(cfg: QwenConfig) -> str:
     return cfg.param_dtype if cfg.lora is None else cfg.dtype
 
 
-def merged_arrays(model: Qwen) -> dict[str, jax.Array]:
+def merged_params(model: Qwen) -> dict[str, jax.Array]:
     """{'layers/q_proj': array, ...} of what `model` computes without adapters: each adapter
     merged into its weight (in the weight's dtype); the plain parameters without LoRA."""
-    flat = model_state_arrays(model)
+    flat = flat_params(model)
     return flat if model.cfg.lora is None else lora_lib.merged(flat, model.cfg.lora.scale)
 
 
@@ -511,13 +540,10 @@ def create_model(cfg: QwenConfig, *, seed: int = 0, mesh=None) -> Qwen:
     return nnx.merge(graphdef, init())
 
 
-def model_state_arrays(model: Qwen) -> dict[str, jax.Array]:
-    """{'layers/q_proj': array, ...}: flat view of the parameters."""
-    return flat_arrays(nnx.state(model, nnx.Param))
-
-
-def flat_arrays(state) -> dict[str, jax.Array]:
-    """{'layers/q_proj': array, ...} of an nnx.State of parameters."""
+def flat_params(tree) -> dict[str, jax.Array]:
+    """{'layers/q_proj': array, ...}: the parameters of a model, or the leaves of a state of
+    parameters (a gradient, a restored tree), keyed by parameter path."""
+    state = nnx.state(tree, nnx.Param) if isinstance(tree, nnx.Module) else tree
     return {param_path(p): a for p, a in jax.tree_util.tree_leaves_with_path(state)}
 
 

@@ -211,19 +211,6 @@ def abstract_batch(shape: tuple[int, int, int], terms, mesh=None) -> PackedBatch
     return PackedBatch(**fields, weights={t: leaf("old_logp") for t in terms})
 
 
-def train_state_shardings(state, mesh):
-    """NamedSharding per leaf of a (model, optimizer) state: every parameter, and every optimizer
-    leaf shaped like one (AdamW's moments, found by the parameter path its own path ends with),
-    by `PARAM_AXES`; the rest (the step count) replicated."""
-    def one(path, leaf):
-        name = qwen.param_path(path)
-        for param, axes in qwen.PARAM_AXES.items():
-            if (name == param or name.endswith("/" + param)) and len(axes) == len(leaf.shape):
-                return shd.named_sharding(axes, leaf.shape, mesh)
-        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    return jax.tree_util.tree_map_with_path(one, state)
-
-
 def abstract_train_state(model_cfg: qwen.QwenConfig, opt_cfg: OptimizerConfig, mesh):
     """(graphdef, abstract state) of a Learner's (model, optimizer) on `mesh`, laid out as the
     Learner lays them out; nothing is allocated. (Under LoRA the state includes the frozen base:
@@ -233,7 +220,7 @@ def abstract_train_state(model_cfg: qwen.QwenConfig, opt_cfg: OptimizerConfig, m
         return model, nnx.Optimizer(model, make_optimizer(opt_cfg), wrt=qwen.trainable(model_cfg))
 
     graphdef, state = nnx.split(nnx.eval_shape(build))
-    shardings = train_state_shardings(state, mesh)
+    shardings = qwen.state_shardings(state, mesh)
     return graphdef, jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
 
 
@@ -342,7 +329,7 @@ class Learner:
         # committed now, so the step's outputs (pinned to the same shardings) hit the executable
         # compiled for its first inputs
         for part in (frozen, state):
-            part = _committed(part) if mesh is None else jax.device_put(part, train_state_shardings(part, mesh))
+            part = _committed(part) if mesh is None else jax.device_put(part, qwen.state_shardings(part, mesh))
             nnx.update((model, self.optimizer), part)
         self._shardings = jax.tree.map(lambda a: a.sharding, self._state())
 

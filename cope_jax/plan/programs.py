@@ -30,7 +30,6 @@ from cope_jax.run import replica as replica_lib
 from cope_jax.learning import train_step as ts
 from cope_jax.learning.logprobs import chunk_positions
 from cope_jax.learning.methods import get_method, needing
-from cope_jax.rollout.decode import bucket
 from cope_jax.rollout.sampler import Sampler
 import models
 from models import attention as attn
@@ -261,9 +260,7 @@ def _group_prefill(sampler: Sampler, model_cfg, lower, group_size: int, prompt_l
     """A first turn's prompt prefill: one row per group (the sampler's prompts' own state of
     `prompt_len` slots; the rows' cache stays resident beside it), a chunk per call."""
     B = sampler.batch_size
-    groups = bucket(-(-B // group_size), sampler.prompt_buckets)
-    slots = bucket(prompt_len, sampler.windows)
-    chunk = bucket(min(sampler.chunks[-1], slots), sampler.chunks)
+    groups, chunk, slots = sampler.group_prefill_shape(B, group_size, prompt_len)
     own = sampler.abstract_state(groups, slots).cache
     ways = _row_ways(groups, mesh) * _tp(mesh)
     loops = {"layers": Loop(model_cfg.num_layers)}

@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from cope_jax.rollout.sampling import sample_tokens, stop_matched, token_logprobs
+from models import qwen
 from models.qwen import KVCache
 
 # finish code -> reason; 0 means "still running" and never leaves the device loop
@@ -233,14 +234,14 @@ def report_finished(run: dict, index: np.ndarray, reported: np.ndarray, on_finis
                       FINISH_REASONS[codes[i]])
 
 
-def abstract_cache(cfg, batch_size: int, max_len: int, dtype, shardings) -> tuple[KVCache, jax.ShapeDtypeStruct]:
-    """(cache, next inputs) of `batch_size` rows as abstract arrays on `shardings` (None: unplaced),
-    the inputs the programs are lowered on."""
+def abstract_cache(cfg, rows: int, slots: int, dtype, mesh) -> tuple[KVCache, jax.ShapeDtypeStruct]:
+    """(cache, next inputs) of `rows` rows of `slots` positions as abstract arrays laid out on `mesh`
+    as `KVCache.zeros` lays them out (None: unplaced): the inputs the programs are lowered on."""
+    shardings = qwen.cache_shardings(cfg, rows, slots, mesh)
     kv_sharding, row_sharding = (None, None) if shardings is None else (shardings[0].k, shardings[1])
-    kv = jax.ShapeDtypeStruct((cfg.num_layers, batch_size, max_len, cfg.num_kv_heads, cfg.head_dim), dtype,
-                              sharding=kv_sharding)
-    rows = jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=row_sharding)
-    return KVCache(k=kv, v=kv, lengths=rows), rows
+    kv = jax.ShapeDtypeStruct(qwen.cache_shape(cfg, rows, slots), dtype, sharding=kv_sharding)
+    lengths = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=row_sharding)
+    return KVCache(k=kv, v=kv, lengths=lengths), lengths
 
 
 def abstract_window(cache: KVCache, next_input, rows, *, window: int, compact: bool):

@@ -222,9 +222,9 @@ class RolloutRunner:
 
     def _unblock(self, live: int, quiet_since: float) -> None:
         """Called when nothing arrived and nothing can decode. If no result can arrive either, the
-        batch's resets wait for slots held by the next batch's prefetched episodes (the slots of
-        episodes lost to a worker went to them before the replays were submitted): the prefetch is
-        released. Past that, or after `quiet_limit` seconds without a result, the rollout stops
+        batch's resets wait for environment instances held by the next batch's prefetched episodes
+        (the instances of episodes lost to a worker went to them before the replays were submitted):
+        the prefetch is released. Past that, or after `quiet_limit` seconds without a result, the rollout stops
         with one line saying where each outstanding call is (a hang becomes an error)."""
         if not self.pool.can_progress() and self._ahead:
             self.cancel_prefetch()
@@ -401,8 +401,8 @@ class RolloutRunner:
     def _can_join(self, episodes: Sequence[PlayedEpisode], spare_rows: int) -> bool:
         """Whether a result still at the pool could join the next sampler call: a step of an
         episode that holds a row, or a reset at a worker while a row is free for it (a reset queued
-        for an environment slot waits for an episode to end, which needs this call)."""
-        return any(ep.in_env and (ep.row is not None or (spare_rows > 0 and self.pool.has_slot(ep.env_key)))
+        for an environment instance waits for an episode to end, which needs this call)."""
+        return any(ep.in_env and (ep.row is not None or (spare_rows > 0 and self.pool.has_instance(ep.env_key)))
                    for ep in episodes)
 
     # -- endings -----------------------------------------------------------------------------------
@@ -419,7 +419,7 @@ class RolloutRunner:
             self.pool.release(ep.env_key)
 
     def _abandon(self, ep: PlayedEpisode, state: SamplerState) -> None:
-        """Cleanup after an exception: free the row and the environment slot."""
+        """Cleanup after an exception: free the row and the environment instance."""
         if ep.row is not None:
             self.sampler.free(state, [ep.row])
             ep.row = None

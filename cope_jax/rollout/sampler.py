@@ -6,7 +6,7 @@ slots. The rollout loop drives it with four calls:
     state = sampler.start(prompts)                     # prefill prompts into free rows
     out = sampler.generate(state, rows, max_new_tokens=..., temperature=..., key=...)
     fits = sampler.extend(state, rows, observation_ids)  # prefill only the new tokens
-    sampler.free(state, rows)                          # the slot can start a new episode
+    sampler.free(state, rows)                          # the row can start a new episode
 
 Invariant: every live row holds all of its tokens but the last in the cache; the last one is the
 row's *next input*. A generation step feeds the next input and samples the next one, so a prompt,
@@ -41,7 +41,8 @@ from cope_jax.rollout.decode import (CONTEXT_FULL, FINISH_REASONS, IDLE_ROW_KNOB
 from cope_jax.rollout.sampling import draw_of
 from models import attention as attn
 from models import sharding as shd
-from models.qwen import CACHE_AXES, KVCache
+from models import qwen
+from models.qwen import KVCache
 
 # where the sampler runs the layers on its own per-layer copy of the weights by default (`Sampler`)
 UNROLLED_PLATFORMS = ("cpu",)
@@ -126,17 +127,7 @@ class Sampler:
         self.prompt_buckets = tuple(b for b in row_buckets(self.batch_size) if b % ways == 0)
         self.windows = power_buckets(min(min_window, self.max_len), self.max_len)
         self.chunks = power_buckets(min(16, prefill_chunk), min(prefill_chunk, self.max_len))
-        self._shardings = self._state_shardings(self.batch_size, self.max_len)
-
-    def _state_shardings(self, rows: int, slots: int):
-        """(cache, next input) shardings of a state of `rows` rows of `slots` slots (None: no mesh)."""
-        if self.mesh is None:
-            return None
-        cfg = self.cfg
-        shape = (cfg.num_layers, rows, slots, cfg.num_kv_heads, cfg.head_dim)
-        kv = shd.named_sharding(CACHE_AXES, shape, self.mesh)
-        batch = shd.named_sharding(("batch",), (rows,), self.mesh)
-        return KVCache(k=kv, v=kv, lengths=batch), batch
+        self._shardings = qwen.cache_shardings(self.cfg, self.batch_size, self.max_len, self.mesh)
 
     def _row_shard(self) -> int:
         """Rows of the batch each device holds."""
@@ -187,7 +178,7 @@ class Sampler:
         window = bucket(max(1, max(len(p) for p in unique) - 1), self.windows)
         own = self._new_state(n, window)
         self._append(own, RowLayout(np.arange(len(unique)), n, (n,), gather=False), [p[:-1] for p in unique],
-                     [-1] * len(unique), prepend=False, shardings=self._state_shardings(n, window))
+                     [-1] * len(unique), prepend=False, shardings=qwen.cache_shardings(self.cfg, n, window, self.mesh))
         lay = self._layout(rows)
         state.cache, state.next_input = share(state.cache, state.next_input, own.cache, lay.rows, lay(source, -1),
                                               lay(np.array([p[-1] for p in prompts], np.int32), 0), window=window,
@@ -212,7 +203,7 @@ class Sampler:
         return fits
 
     def free(self, state: SamplerState, rows: Sequence[int]) -> None:
-        """Releases rows; their slots can `start` a new episode."""
+        """Releases rows; they can `start` a new episode."""
         rows = self._check_rows(state, rows, None)
         state.live[rows] = False
         state.full[rows] = False
@@ -344,7 +335,7 @@ class Sampler:
         """Every row live, the cache as abstract arrays laid out as `init_state` lays them out (or
         as a state of `rows` x `slots`, the prompts' own, is)."""
         rows, slots = rows or self.batch_size, slots or self.max_len
-        cache, next_input = abstract_cache(self.cfg, rows, slots, self.cache_dtype, self._state_shardings(rows, slots))
+        cache, next_input = abstract_cache(self.cfg, rows, slots, self.cache_dtype, self.mesh)
         return SamplerState(cache=cache, next_input=next_input, cached=np.zeros(rows, np.int64),
                             live=np.ones(rows, bool), full=np.zeros(rows, bool))
 
@@ -361,13 +352,12 @@ class Sampler:
         n = len(rows)
         lay, window = self._layout(rows), self.windows[-1]
         chunk = self.chunks[-1]
-        groups = bucket(-(-n // group_size), self.prompt_buckets)
-        slots = bucket(prompt_len or self.max_len, self.windows)
+        groups, group_chunk, slots = self.group_prefill_shape(n, group_size, prompt_len or self.max_len)
 
         def prefill_program(state, lay, n, T, window):
             args, static = self._prefill_inputs(state, lay, np.zeros((n, T), np.int32), np.full(n, T),
                                                 np.zeros(n, bool), np.full(n, -1), window=window,
-                                                shardings=self._state_shardings(state.batch_size, state.cache.max_len))
+                                                shardings=qwen.cache_shardings(self.cfg, state.batch_size, state.cache.max_len, self.mesh))
             return prefill.lower(*args, **static)
 
         def decode_program():
@@ -383,8 +373,15 @@ class Sampler:
         return {"prefill": lambda: prefill_program(state, lay, n, chunk, window),
                 "prefill@group": lambda: prefill_program(
                     self.abstract_state(groups, slots), RowLayout(np.arange(groups), groups, (groups,), gather=False),
-                    groups, bucket(min(chunk, slots), self.chunks), slots),
+                    groups, group_chunk, slots),
                 "decode": decode_program}
+
+    def group_prefill_shape(self, rows: int, group_size: int, prompt_len: int) -> tuple[int, int, int]:
+        """(prompt rows, chunk, cache slots) of the largest first-turn prefill of `rows` rows in
+        groups of `group_size` with prompts of `prompt_len` tokens: one prompt row per group."""
+        slots = bucket(prompt_len, self.windows)
+        return (bucket(-(-rows // group_size), self.prompt_buckets), bucket(min(self.chunks[-1], slots), self.chunks),
+                slots)
 
     def _params(self):
         """(graphdef, params, the unrolled per-layer copy or None), re-making the unrolled copy only when the

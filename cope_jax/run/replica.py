@@ -30,7 +30,6 @@ from models import lora as lora_lib
 from models import qwen
 from models import sharding as shd
 from models.config import QwenConfig
-from models.qwen import CACHE_AXES
 
 
 def decode_mesh(cfg: QwenConfig, devices, rows: int, max_len: int, cache_dtype=None) -> Mesh:
@@ -48,10 +47,9 @@ def decode_bytes_per_chip(cfg: QwenConfig, mesh: Mesh, rows: int, max_len: int, 
     """What one chip of `mesh` holds, and a decode step of full rows reads: its share of the weights in
     the compute dtype and of the KV cache of `rows` rows of `max_len` slots."""
     dtype = np.dtype(jnp.dtype(cfg.dtype))
-    weights = sum(math.prod(shd.named_sharding(qwen.PARAM_AXES[name], shape, mesh).shard_shape(shape))
+    weights = sum(math.prod(qwen.param_sharding(name, shape, mesh).shard_shape(shape))
                   for name, shape in qwen.param_shapes(cfg).items()) * dtype.itemsize
-    cache = (cfg.num_layers, rows, max_len, cfg.num_kv_heads, cfg.head_dim)
-    kv = math.prod(shd.named_sharding(CACHE_AXES, cache, mesh).shard_shape(cache))
+    kv = math.prod(qwen.cache_shardings(cfg, rows, max_len, mesh)[0].k.shard_shape(qwen.cache_shape(cfg, rows, max_len)))
     return weights + 2 * kv * np.dtype(jnp.dtype(cache_dtype or cfg.dtype)).itemsize
 
 
@@ -78,7 +76,7 @@ class SamplingReplica:
         lora = model.cfg.lora
 
         def cast(p):  # LoRA adapters merged into the copy: it decodes at the base model's cost
-            flat = qwen.flat_arrays(p)
+            flat = qwen.flat_params(p)
             flat = flat if lora is None else lora_lib.merged(flat, lora.scale)
             return qwen.with_arrays(abstract, lambda name: flat[name].astype(cfg.param_dtype))
         if jax.process_count() == 1:

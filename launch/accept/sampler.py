@@ -29,7 +29,7 @@ WITHIN = 2.0  # a decode step within twice the bytes bound, a prefill within twi
 def run(*, size: str, repeats: int) -> Iterator[Check]:
     cfg = _model_config(size)
     shape, batches, window, steps, bound_bytes = SIZES[size]
-    bandwidth, flops = timing.read_bandwidth(bound_bytes, repeats), _matmul_flops(size, repeats)
+    bandwidth, flops = timing.read_bandwidth(bound_bytes, repeats), timing.matmul_peak("bfloat16", 1024 if size == "tiny" else 8192, repeats)
     model = _model(cfg)
     name = shape if isinstance(shape, str) else f"{cfg.num_layers}-layer {cfg.hidden_size}-wide"
     yield Check("sampler", "HBM bandwidth bound (on-device reduction)", "B/s", bandwidth,
@@ -93,13 +93,3 @@ def _batch(model, cfg, name, batch, window, steps, bandwidth, flops, repeats) ->
               prefill_flops * batch * half / flops, within=WITHIN,
               note=f"{batch * half / prefill_s:,.0f} tokens/s; bound: analytical FLOPs over the measured FLOP/s"),
     ]
-
-
-def _matmul_flops(size: str, repeats: int) -> float:
-    import jax
-    import jax.numpy as jnp
-
-    n = 1024 if size == "tiny" else 8192
-    a = jnp.ones((n, n), jnp.bfloat16)
-    product = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
-    return 2 * n ** 3 / timing.best_seconds(lambda: product(a, a), repeats)

@@ -17,7 +17,7 @@ that compiles the sampler's shapes and warms the environments, e.g. the JVM's JI
   recorded results (no environment work). Episodes sample with per-episode keys, so the sampler
   generates the same turns (`gen_tokens` of both lines);
 - `env_s`: pure environment time, the recorded actions replayed through the same pool (same
-  workers, same slots) with no model, each episode's next action sent as soon as its result is in.
+  workers, same environment instances) with no model, each episode's next action sent as soon as its result is in.
 
 `overlap = wall_s / max(sampling_s, env_s)` (`cold_overlap` from `cold_wall_s`): 1.0 means
 environment time hides completely behind decoding (or the reverse); `wall_s / (sampling_s + env_s)`
@@ -52,7 +52,7 @@ from absl import app, flags
 flags.DEFINE_list("rollout_families", ["builtin", "sciworld"], "Environment families to measure.")
 flags.DEFINE_integer("rollout_workers", 4, "Environment worker processes.")
 flags.DEFINE_integer("rollout_envs_per_worker", 2, "Environment instances (live episodes) per worker.")
-flags.DEFINE_integer("rollout_rows", 0, "Sampler rows (0: one per environment slot).")
+flags.DEFINE_integer("rollout_rows", 0, "Sampler rows (0: one per environment instance).")
 flags.DEFINE_integer("rollout_episodes", 16, "Episodes per rollout batch.")
 flags.DEFINE_integer("rollout_rounds", 8, "Environment steps per episode (max rounds).")
 flags.DEFINE_integer("rollout_turn_tokens", 24, "Generation cap per assistant turn.")
@@ -127,7 +127,7 @@ class ReplayPool:
     def describe(self) -> str:
         return f"recorded results of {len(self._trajs)} episodes, {len(self._ready)} not yet polled"
 
-    def has_slot(self, episode) -> bool:
+    def has_instance(self, episode) -> bool:
         return episode in self._where
 
     def release(self, episode) -> None:
@@ -213,11 +213,11 @@ def measure(family_name: str, model, tokenizer, style: str, eos_ids) -> dict:
     from envs.pool import EnvPool
     from envs.registry import make_family
 
-    workers, slots = FLAGS.rollout_workers, FLAGS.rollout_envs_per_worker
+    workers, instances = FLAGS.rollout_workers, FLAGS.rollout_envs_per_worker
     family = make_family(family_name)
     chat = ChatFormat(tokenizer, style)
     plan = _tasks(family, FLAGS.rollout_episodes)
-    rows = FLAGS.rollout_rows or workers * slots
+    rows = FLAGS.rollout_rows or workers * instances
     sampler = Sampler(model, batch_size=rows, max_len=MAX_LEN, eos_ids=eos_ids)
     cfg = RolloutConfig(max_rounds=FLAGS.rollout_rounds, max_turn_tokens=FLAGS.rollout_turn_tokens,
                         temperature=1.0)
@@ -238,7 +238,7 @@ def measure(family_name: str, model, tokenizer, style: str, eos_ids) -> dict:
         into[name] = min(into.get(name, (float("inf"), 0.0)), (seconds(result), cpu))
         return result
 
-    with EnvPool({family_name: workers}, envs_per_worker=slots) as pool:
+    with EnvPool({family_name: workers}, envs_per_worker=instances) as pool:
         runner = RolloutRunner(sampler, pool, family_name, family, chat, cfg)
         lockstep = RolloutRunner(sampler, pool, family_name, family, chat, dataclasses.replace(cfg, sync=True))
         ids = range(len(plan))
@@ -267,7 +267,7 @@ def measure(family_name: str, model, tokenizer, style: str, eos_ids) -> dict:
                                  lambda out: out[0])
             timed("sync_wall_s", lambda: lockstep.run(plan, key), wall)
     family.close()
-    fields = {"suite": "rollout", "family": family_name, "workers": workers, "envs_per_worker": slots, "rows": rows,
+    fields = {"suite": "rollout", "family": family_name, "workers": workers, "envs_per_worker": instances, "rows": rows,
               "episodes": len(plan), "env_steps": stats.env_steps, "env_steps_replayed": env_steps,
               "gen_tokens": stats.generated_tokens, "gen_tokens_replayed": rstats.generated_tokens,
               "turn_end": FLAGS.rollout_turn_end, "stream_every": cfg.stream_every, "update_s": FLAGS.rollout_update_s}

@@ -26,7 +26,7 @@ def env():
 
 @pytest.fixture(scope="module")
 def pool():
-    # one worker with two JVMs, which it drives at once (FamilySpec.concurrent_slots)
+    # one worker with two JVMs, which it drives at once (FamilySpec.concurrent_instances)
     with EnvPool({"sciworld": 1}, envs_per_worker=2) as p:
         yield p
 

@@ -1,4 +1,4 @@
-"""EnvPool on the built-in env: asynchronous batches, slots and queueing, caller errors,
+"""EnvPool on the built-in env: asynchronous batches, instances and queueing, caller errors,
 per-family interpreters, and the rule that envs/ never imports JAX or the model."""
 
 import ast
@@ -65,7 +65,7 @@ def test_release_frees_the_slot_for_a_waiting_reset():
         pool.submit_reset("a", "builtin", a)
         pool.submit_reset("b", "builtin", b)
         got = pool.wait_all(timeout=30)
-        assert [r.env_key for r in got] == ["a"]  # b waits for a slot
+        assert [r.env_key for r in got] == ["a"]  # b waits for an instance
         assert pool.outstanding() == 1
         pool.release("a")
         got = pool.wait_all(timeout=30)

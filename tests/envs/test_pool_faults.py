@@ -13,7 +13,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
@@ -27,7 +26,7 @@ from tests.paths import ROOT
 FAM = BuiltinEnv()
 REPO = ROOT
 CHAOS = {"chaos": {"spawn_child": True}}
-CONCURRENT = {"chaos": dataclasses.replace(get_spec("chaos"), concurrent_slots=True)}
+CONCURRENT = {"chaos": dataclasses.replace(get_spec("chaos"), concurrent_instances=True)}
 
 
 def _alive(pid):
@@ -213,17 +212,17 @@ def test_no_orphans_when_the_parent_is_interrupted_or_killed(how):
         proc.wait()
 
 
-def test_concurrent_slots_answer_at_once_and_in_completion_order():
+def test_concurrent_instances_answer_at_once_and_in_completion_order():
     with EnvPool({"chaos": 1}, envs_per_worker=3, call_timeout=3.0, specs=CONCURRENT) as pool:
         pid = {_reset(pool, ep).worker_pid for ep in ("a", "b", "slow")}
-        assert len(pid) == 1  # one worker, three slots
+        assert len(pid) == 1  # one worker, three instances
         # both calls must be running at the same time for either to return (envs.chaos)
         pool.submit_step("a", "rendezvous")
         pool.submit_step("b", "rendezvous")
         got = pool.wait_all(timeout=10)
         assert sorted(r.env_key for r in got) == ["a", "b"]
         assert all(r.ok and r.observation == "Met." for r in got), got
-        # a slot's quick call is answered while another slot's call is still running
+        # an instance's quick call is answered while another instance's call is still running
         pool.submit_step("slow", "hang")
         pool.submit_step("a", "look")
         (first,) = pool.poll(timeout=2.0)
@@ -249,10 +248,10 @@ def test_resets_queued_at_a_dead_worker_start_elsewhere_and_idle_losses_name_the
             idle = _reset(pool, "idle2", tids[1])
         assert idle.worker_pid == victim
         pool.submit_step("hanger", "hang")
-        for i in range(3):  # the victim's last free slot and the other worker's: queued behind the hang
+        for i in range(3):  # the victim's last free instance and the other worker's: queued behind the hang
             pool.submit_reset(f"new{i}", "chaos", tids[2 + i], max_rounds=20)
         time.sleep(0.3)
-        queued = [e for e in ("new0", "new1", "new2") if pool._episodes[e].worker.proc.pid == victim]
+        queued = [e for e in ("new0", "new1", "new2") if pool._episodes[e].worker.pid == victim]
         assert queued  # the path under test: a reset waiting at the victim, never sent
         os.kill(victim, signal.SIGKILL)
         results = {r.env_key: r for r in pool.wait_all(timeout=30)}

@@ -1,7 +1,6 @@
 """`launch.accept` on this CPU host at its tiny sizes: it completes, and its report has every section
 with measured and predicted columns."""
 import json
-import os
 import subprocess
 import sys
 from launch.accept.report import SECTIONS

@@ -59,7 +59,7 @@ def test_gradients_reach_only_the_adapters_and_follow_the_chain_rule():
     merged = qwen.frozen_copy(model)
     merged_loss, full, _ = jax.jit(lambda m, b: train_step.loss_and_grads(m, b, cfg, on_policy=True))(merged, batch)
     np.testing.assert_allclose(float(loss), float(merged_loss), rtol=1e-5)
-    full, params = _flat(full), qwen.model_state_arrays(model)
+    full, params = _flat(full), qwen.flat_params(model)
     for proj in LORA.targets:
         ins = len(lora.PROJECTION_AXES[proj][0])
         g = full[f"layers/{proj}"].reshape(CFG.num_layers, -1, *full[f"layers/{proj}"].shape[1 + ins:])
@@ -76,7 +76,7 @@ def test_gradients_reach_only_the_adapters_and_follow_the_chain_rule():
 
 def test_a_step_moves_only_the_adapters_and_the_reference_is_the_base():
     model = _adapted(perturb=False)
-    base_before = {k: np.asarray(v) for k, v in qwen.model_state_arrays(model).items() if not lora.is_adapter(k)}
+    base_before = {k: np.asarray(v) for k, v in qwen.flat_params(model).items() if not lora.is_adapter(k)}
     learner = train_step.Learner(model, LOSS, train_step.OptimizerConfig(learning_rate=1e-2))
     moments = [a for a in jax.tree.leaves(nnx.state(learner.optimizer)) if a.ndim > 0]
     assert sum(a.size for a in moments) == 2 * sum(a.size for a in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
@@ -85,7 +85,7 @@ def test_a_step_moves_only_the_adapters_and_the_reference_is_the_base():
     for _ in range(2):
         metrics = learner.step(batch, on_policy=True)
     assert np.isfinite(float(metrics["loss"])) and float(metrics["kl"]) > 0  # the adapters moved off the base
-    after = qwen.model_state_arrays(model)
+    after = qwen.flat_params(model)
     for k, v in base_before.items():
         assert np.array_equal(np.asarray(after[k]), v), k  # frozen, and never donated
     assert np.abs(np.asarray(model.layers.q_proj_lora_b[...])).max() > 0

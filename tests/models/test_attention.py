@@ -312,7 +312,6 @@ def test_the_attention_bench_puts_blockwise_next_to_dense():
     """`launch.bench --suite=attention` at one short row: a line per implementation run on this
     backend (no kernel off TPU) and a ratio line read from the compiler's memory."""
     import json
-    import os
     import subprocess
     import sys
 

@@ -35,7 +35,7 @@ def test_fresh_adapters_leave_the_logits_identical(tmp_path, family):
     base = _base(tmp_path, family, num_attention_heads=8, num_key_value_heads=2)
     want = np.asarray(base(TOKENS))
     adapted = qwen.with_adapters(base, lora.LoraConfig(rank=4, alpha=16))
-    names = set(qwen.model_state_arrays(adapted)) - set(qwen.model_state_arrays(base))
+    names = set(qwen.flat_params(adapted)) - set(qwen.flat_params(base))
     assert names == {f"layers/{p}{s}" for p in lora.PROJECTIONS for s in lora.SUFFIXES}
     assert np.array_equal(np.asarray(adapted(TOKENS)), want)
     assert adapted.layers.q_proj_lora_a[...].shape == (3, 64, 4)
@@ -48,7 +48,7 @@ def test_base_weights_are_stored_in_the_compute_dtype_and_adapters_in_float32(tm
     make_tiny_hf(str(tmp_path / "hf"), "qwen3")
     base, _ = models.load_hf_model(str(tmp_path / "hf"), dtype="bfloat16")
     adapted = qwen.with_adapters(base, lora.LoraConfig(rank=2), param_dtype="float32")
-    dtypes = {k: v.dtype for k, v in qwen.model_state_arrays(adapted).items()}
+    dtypes = {k: v.dtype for k, v in qwen.flat_params(adapted).items()}
     assert {dtypes[k] for k in dtypes if lora.is_adapter(k)} == {jnp.dtype("float32")}
     assert {dtypes[k] for k in dtypes if not lora.is_adapter(k)} == {jnp.dtype("bfloat16")}
 
@@ -76,7 +76,7 @@ def test_the_decode_layout_and_a_frozen_copy_merge_the_adapters(tmp_path):
     h, _ = adapted.decode(TOKENS, n, cache)  # the stored layout: adapters applied unmerged
     np.testing.assert_allclose(np.asarray(adapted.unembed(h)), want, rtol=1e-5, atol=1e-5)
     copy = qwen.frozen_copy(adapted)
-    assert copy.cfg.lora is None and not any(lora.is_adapter(k) for k in qwen.model_state_arrays(copy))
+    assert copy.cfg.lora is None and not any(lora.is_adapter(k) for k in qwen.flat_params(copy))
     np.testing.assert_allclose(np.asarray(copy(TOKENS)), want, rtol=1e-5, atol=1e-5)
 
 

@@ -202,7 +202,7 @@ def test_prefetched_resets_are_picked_up_by_the_next_batch(setup, sync):
     played, _ = runner.run(other, key)
     assert sorted(resets) == sorted(t for t, _ in other) and len(played) == 2
     assert all(t.finish_reason in ("done", "max_rounds") for t in played)
-    again, _ = runner.run(second, key, episode_ids=range(10, 16))  # every slot is free again
+    again, _ = runner.run(second, key, episode_ids=range(10, 16))  # every instance is free again
     for a, b in zip(again, cold):
         np.testing.assert_array_equal(a.tokens, b.tokens)
     runner.run(first, key, prefetch=second, prefetch_ids=range(10, 16))

@@ -68,13 +68,12 @@ class Probe:
 
 
 def _workers(pool):
-    """(pid, state, stderr fd, inflight kinds, held slots, queued) per live worker, read from another
+    """(pid, state, stderr fd, inflight kinds, held instances, queued) per live worker, read from another
     thread (retried while the pool's thread changes them)."""
     for _ in range(100):
         try:
-            return [(w.proc.pid, w.state, w.stderr.fileno() if w.stderr else -1,
-                     [r.kind for r in list(w.inflight.values())], sum(e is not None for e in list(w.slots)),
-                     len(w.queue)) for w in list(pool._workers) if w.proc is not None and w.state != "dead"]
+            return [(w.pid, w.state, w.process.stderr.fileno(), [r.kind for r in list(w.inflight.values())],
+                     w.held(), len(w.queue)) for w in list(pool._workers) if w.process is not None and w.state != "dead"]
         except (RuntimeError, AttributeError, ValueError):
             time.sleep(0.001)
     return []
@@ -182,12 +181,12 @@ def test_a_worker_lost_at_any_moment_costs_a_replay_never_a_hang(parts, monkeypa
 
 
 def test_a_pool_that_cannot_progress_is_one_line_naming_where_each_call_is(parts, hard_stop):
-    """Resets waiting for slots that idle episodes of another caller hold: the rollout stops at once
+    """Resets waiting for instances that idle episodes of another caller hold: the rollout stops at once
     with an error naming the workers and what waits, instead of spinning."""
     chat, sampler = parts
     tasks = FAMILY.task_ids("train")
     with EnvPool({"chaos": 1}, envs_per_worker=2, call_timeout=CALL_TIMEOUT, specs=SPECS) as pool:
-        for i in range(2):  # someone else's episodes hold both slots
+        for i in range(2):  # someone else's episodes hold both instances
             pool.submit_reset(("other", i), "chaos", tasks[0], max_rounds=3)
         pool.wait_all()
         runner = RolloutRunner(sampler, pool, "chaos", FAMILY, chat, RolloutConfig(max_rounds=3, sync=True))
@@ -197,14 +196,14 @@ def test_a_pool_that_cannot_progress_is_one_line_naming_where_each_call_is(parts
         assert time.monotonic() - t0 < 15  # at once: no deadline is waited for
     message = str(e.value)
     assert "\n" not in message and message.startswith("rollout stalled: 1 episodes live, nothing to decode")
-    assert "(none can arrive)" in message and "(chaos, idle, 2/2 slots held)" in message
-    assert message.endswith("1 resets waiting for a slot")
+    assert "(none can arrive)" in message and "(chaos, idle, 2/2 instances held)" in message
+    assert message.endswith("1 resets waiting for an instance")
 
 
 @pytest.mark.parametrize("sync", [True, False], ids=["lockstep", "async"])
 def test_replays_are_not_starved_by_the_next_batchs_prefetched_resets(parts, hard_stop, sync):
-    """Four slots, this batch's four episodes in them and the next batch's four resets queued behind:
-    a worker lost while its episodes sit idle frees two slots, which the queued prefetch takes before
+    """Four instances, this batch's four episodes in them and the next batch's four resets queued behind:
+    a worker lost while its episodes sit idle frees two instances, which the queued prefetch takes before
     the replays are submitted. The prefetch is released so the replays run (before, the run waited
     forever), and the next batch resets afresh."""
     chat, sampler = parts

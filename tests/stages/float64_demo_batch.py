@@ -42,7 +42,7 @@ def loss_and_grads(model, batch, loss_cfg):
     fn = jax.jit(lambda m, b: train_step.loss_and_grads(m, b, loss_cfg)[:2])
     from models import qwen
     loss, grads = fn(model, batch)
-    return float(loss), {k: np.asarray(v) for k, v in qwen.flat_arrays(grads).items()}
+    return float(loss), {k: np.asarray(v) for k, v in qwen.flat_params(grads).items()}
 
 
 def main():
