@@ -83,7 +83,7 @@ def base_config(method: str = "cope") -> ml_collections.ConfigDict:
         kl_coef=1e-3, entropy_coef=1e-3, agg_mode="seq-mean-token-mean",
         af_coef=0.01, af_mode="joint", af_norm="success_groups", horizon=-1,  # -1: the method's K
         # skip_invalid: forecasting targets the environment rejected are refilled with the episode's
-        # next valid action (the paper's filter, section 8; cope_jax/learning/forecasting.py)
+        # next valid action (the paper's filter, section 8; cope_jax/batch/forecasting.py)
         # af_group_norm: forecasting weight 1/max(1,|S_x|) (False: 1, the paper's ablation)
         echo_coef=0.01, rft_coef=1.0, skip_invalid=False, skip_no_call=False, af_group_norm=True,
         progpo_scale=0.3, logprob_chunk=2048,

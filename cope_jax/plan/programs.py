@@ -27,9 +27,9 @@ from flax import nnx
 
 from cope_jax.run import distributed, run_config
 from cope_jax.run import replica as replica_lib
-from cope_jax.learning import train_step as ts
-from cope_jax.learning.logprobs import chunk_positions
-from cope_jax.learning.methods import get_method, needing
+from cope_jax.train import train_step as ts
+from cope_jax.train.logprobs import chunk_positions
+from cope_jax.objective.methods import get_method, needing
 from cope_jax.rollout.sampler import Sampler
 import models
 from models import attention as attn

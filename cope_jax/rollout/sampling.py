@@ -10,7 +10,7 @@ top_p, computed after top-k), then one categorical draw (`categorical`: inverse 
 number per row). `greedy` or temperature 0 takes the argmax of the raw logits. The logprob returned
 for a token is the sampling policy's: log-softmax of logits / temperature (1 for a greedy row),
 before top-k / top-p. It is the distribution the trainer scores the same token under
-(`learning/logprobs.py` at `rollout.temperature`), so their difference is numeric drift only.
+(`train/logprobs.py` at `rollout.temperature`), so their difference is numeric drift only.
 """
 from __future__ import annotations
 

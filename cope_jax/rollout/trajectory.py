@@ -5,8 +5,8 @@ are the sampler's ids, observation text is encoded once when appended, nothing i
 training. All per-token arrays are numpy and share the length of `tokens`; every mask marks the
 *token itself* (e.g. `action_mask[t] = 1` means token t was sampled), not the position predicting it.
 
-The rollout loop fills `Trajectory`; `cope_jax/learning/forecasting.py` builds `ForecastExample`s from the
-successful ones; `cope_jax/learning/batching.py` turns both into packed training rows.
+The rollout loop fills `Trajectory`; `cope_jax/batch/forecasting.py` builds `ForecastExample`s from the
+successful ones; `cope_jax/batch/batching.py` turns both into packed training rows.
 """
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ class ForecastExample:
     step:        the action step t whose history the example starts from.
     kind:        how it was built ('forecast' = CoPE forecasting, 'sft' = success-filtered imitation).
     prefix_len:  tokens[:prefix_len] are the source trajectory's first tokens, shared with its other
-                 examples (packed once, `cope_jax/learning/batching.py`); no target among them or right
+                 examples (packed once, `cope_jax/batch/batching.py`); no target among them or right
                  after them (the first token past a shared prefix has no prediction in a packed tree).
     """
 

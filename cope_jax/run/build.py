@@ -26,12 +26,12 @@ from cope_jax.rollout.chat import ChatFormat
 from cope_jax.run.demos import play_actions
 from cope_jax.run.faults import FaultError
 from cope_jax.run.progress import say
-from cope_jax.learning.forecasting import ForecastConfig
-from cope_jax.learning.methods import LossConfig, MethodSpec
+from cope_jax.batch.forecasting import ForecastConfig
+from cope_jax.objective.methods import LossConfig, MethodSpec
 from cope_jax.run.replica import SamplingReplica
 from cope_jax.rollout.sampler import Sampler
 from cope_jax.rollout.tokenizer import SentencePieceTokenizer, load_tokenizer, train_sentencepiece
-from cope_jax.learning.train_step import OptimizerConfig
+from cope_jax.train.train_step import OptimizerConfig
 from envs.pool import EnvPool
 from envs.registry import get_spec, make_family
 

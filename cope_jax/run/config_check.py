@@ -15,8 +15,8 @@ from typing import Any
 import ml_collections
 
 from configs.base import base_config
-from cope_jax.learning.losses import ROLLOUT_CORRECTIONS
-from cope_jax.learning.methods import AF_MODES, ZERO_VARIANCE
+from cope_jax.objective.losses import ROLLOUT_CORRECTIONS
+from cope_jax.objective.methods import AF_MODES, ZERO_VARIANCE
 from cope_jax.rollout.chat import STYLES
 from cope_jax.run import run_config
 from envs.registry import FAMILIES

@@ -6,7 +6,7 @@ the tests) works like this:
 - `initialize` joins the processes (`jax.distributed.initialize`); on TPU VMs, Slurm and Open MPI
   every argument is detected, elsewhere the coordinator address, process count and id are given.
 - `run_mesh` builds the global (data, fsdp, tp) mesh over every device of every host; the train
-  step is one SPMD program over it (`cope_jax/learning/train_step.py`).
+  step is one SPMD program over it (`cope_jax/train/train_step.py`).
 - Each host rolls out its own contiguous share of a step's episodes (`process_share`) with its
   own environment pool and its own sampler. The sampler cannot run on the global mesh: hosts
   decode different episodes, for different numbers of turns. It runs on `replica.SamplingReplica`,

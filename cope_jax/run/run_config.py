@@ -11,10 +11,10 @@ import os
 
 import ml_collections
 
-from cope_jax.learning.forecasting import ForecastConfig
-from cope_jax.learning.methods import LossConfig, MethodSpec, get_method
+from cope_jax.batch.forecasting import ForecastConfig
+from cope_jax.objective.methods import LossConfig, MethodSpec, get_method
 from cope_jax.rollout.runner import RolloutConfig
-from cope_jax.learning.train_step import OptimizerConfig
+from cope_jax.train.train_step import OptimizerConfig
 from models import presets
 from models.config import ConfigError, QwenConfig
 from models.lora import PROJECTIONS, LoraConfig, LoraConfigError

@@ -8,13 +8,13 @@ import jax
 import numpy as np
 
 from cope_jax.run import distributed, run_config
-from cope_jax.learning.batching import build_minibatches
+from cope_jax.batch.batching import build_minibatches
 from cope_jax.run.build import Components
-from cope_jax.learning.methods import LossConfig, MethodSpec
-from cope_jax.learning.packing import pad_micro
+from cope_jax.objective.methods import LossConfig, MethodSpec
+from cope_jax.batch.packing import pad_micro
 from cope_jax.run.progress import Bar
 from cope_jax.rollout.runner import RolloutRunner, RolloutStats
-from cope_jax.learning.train_step import Learner
+from cope_jax.train.train_step import Learner
 
 
 def rollout_runner(parts: Components, kind: str) -> RolloutRunner:

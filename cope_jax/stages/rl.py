@@ -4,9 +4,9 @@ One RL step (method §2-4):
   1. take the next `tasks_per_step` train tasks from a seeded, checkpointed grain iterator;
   2. roll out `group_size` episodes per task (`cope_jax/rollout/runner.py`; group = the rollouts of a task);
   3. build forecasting / imitation examples from the successful ones when the method has them
-     (`cope_jax/learning/forecasting.py`);
-  4. advantages and PPO mini-batches of packed rows (`cope_jax/learning/batching.py`), one AdamW step per
-     mini-batch (`cope_jax/learning/train_step.py: Learner`), `old_logp` from the rollout policy and
+     (`cope_jax/batch/forecasting.py`);
+  4. advantages and PPO mini-batches of packed rows (`cope_jax/batch/batching.py`), one AdamW step per
+     mini-batch (`cope_jax/train/train_step.py: Learner`), `old_logp` from the rollout policy and
      `ref_logp` from the frozen reference (the policy the RL stage started from);
   5. log, checkpoint every `checkpoint.every` steps, evaluate every `eval.every` steps.
 
@@ -35,14 +35,14 @@ from cope_jax.run import faults as faults_lib
 from cope_jax.run import metrics as metrics_lib
 from cope_jax.run.build import CHECKPOINT_DIR, Components
 from cope_jax.run.checkpoint import TrainCheckpointer
-from cope_jax.learning.advantages import compute_advantages, flat_groups
-from cope_jax.learning.forecasting import build_examples
-from cope_jax.learning.methods import needing
+from cope_jax.objective.advantages import compute_advantages, flat_groups
+from cope_jax.batch.forecasting import build_examples
+from cope_jax.objective.methods import needing
 from cope_jax.run.progress import Bar, say
 from cope_jax.stages.evaluate import evaluate, evaluate_once
 from cope_jax.rollout.runner import RolloutStats
 from cope_jax.stages.loop import learn, rollout, rollout_runner, step_loop
-from cope_jax.learning.train_step import Learner
+from cope_jax.train.train_step import Learner
 
 RESUME_MODES = ("latest", "latest_valid")  # train(resume=...): see resume_from
 

@@ -15,11 +15,11 @@ from models import orbax_io
 from cope_jax.run import distributed, run_config
 from cope_jax.run.build import WARMSTART_DIR, Components
 from cope_jax.run.demos import expert_trajectories
-from cope_jax.learning.forecasting import build_examples
-from cope_jax.learning.methods import get_method
+from cope_jax.batch.forecasting import build_examples
+from cope_jax.objective.methods import get_method
 from cope_jax.run.progress import Bar
 from cope_jax.stages.loop import learn, rollout_runner, step_loop
-from cope_jax.learning.train_step import Learner
+from cope_jax.train.train_step import Learner
 
 
 

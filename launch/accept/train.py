@@ -151,7 +151,7 @@ def _inputs(c, cfg, compiled):
     from flax import nnx
 
     from cope_jax.run import distributed, run_config
-    from cope_jax.learning import train_step as ts
+    from cope_jax.train import train_step as ts
     from models import qwen
 
     # the fourth argument is LoRA's frozen base: None here (acceptance trains every weight)

@@ -142,7 +142,8 @@ def model_config(layers: int, dtype: str):
 def packed_batch(tokens: int, row_len: int, vocab: int, seed: int = 0):
     """[1 micro-batch, rows, row_len] of GRPO trajectories, two per row, with real loss weights
     (`batching.sequence_segments`) and old / reference log-probs near each other."""
-    from cope_jax.learning import batching, methods
+    from cope_jax.batch import batching
+    from cope_jax.objective import methods
 
     rng = np.random.RandomState(seed)
     row_len = min(row_len, tokens)
@@ -172,7 +173,8 @@ def model_flops(cfg, tokens: int, row_len: int) -> tuple[float, float]:
 def bench_logits(cfg, batch, tokens: int, max_bytes: float):
     import jax
     import jax.numpy as jnp
-    from cope_jax.learning import logprobs, losses
+    from cope_jax.objective import losses
+    from cope_jax.train import logprobs
 
     mb = jax.tree.map(lambda a: jnp.asarray(a[0]), batch)
     R, L = mb.tokens.shape
@@ -210,7 +212,8 @@ def bench_step(cfg, batch, tokens: int, max_bytes: float, time_it: bool):
     from flax import nnx
 
     import models
-    from cope_jax.learning import methods, train_step
+    from cope_jax.objective import methods
+    from cope_jax.train import train_step
 
     R, L = batch.tokens.shape[1:]
     flops, _ = model_flops(cfg, tokens, L)
@@ -252,7 +255,8 @@ def bench_grpo(cfg, batch, tokens: int, max_bytes: float) -> None:
     from flax import nnx
 
     import models
-    from cope_jax.learning import methods, train_step
+    from cope_jax.objective import methods
+    from cope_jax.train import train_step
 
     R, L = batch.tokens.shape[1:]
     flops, _ = model_flops(cfg, tokens, L)
@@ -287,7 +291,8 @@ PEER = dict(sequences=8, prompt=64, completion=128, kl_coef=0.04)
 
 def peer_batch(vocab: int, seed: int = 0):
     """The peer comparison's batch: one micro-batch [1, 8, 192], loss weights of pg and kl."""
-    from cope_jax.learning import batching, methods
+    from cope_jax.batch import batching
+    from cope_jax.objective import methods
 
     rng = np.random.RandomState(seed)
     n, length = PEER["sequences"], PEER["prompt"] + PEER["completion"]
@@ -311,7 +316,7 @@ def bench_peer(cfg) -> None:
     from flax import nnx
 
     import models
-    from cope_jax.learning import train_step
+    from cope_jax.train import train_step
 
     cfg = dataclasses.replace(cfg, remat="none")
     batch, loss_cfg = peer_batch(cfg.vocab_size)
@@ -350,7 +355,7 @@ def demo_phase():
     import tempfile
 
     from configs.demo import get_config
-    from cope_jax.learning.forecasting import build_examples
+    from cope_jax.batch.forecasting import build_examples
     from cope_jax.run.build import build
     from cope_jax.run.demos import expert_trajectories
     from cope_jax.stages.loop import rollout_runner
@@ -369,7 +374,7 @@ def demo_phase():
 def demo_flops(cfg, mbs) -> float:
     """Model FLOPs of `loop.learn` on `mbs`: per mini-batch a forward pass per log-prob field its
     terms read (2 N T) and the step (6 N T), attention 4 H D per visible (query, key) pair forward."""
-    from cope_jax.learning.methods import needing
+    from cope_jax.objective.methods import needing
     from models import attention as attn
 
     E, H, K, D, F = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
@@ -388,7 +393,7 @@ def demo_flops(cfg, mbs) -> float:
 
 def bench_demo() -> None:
     """The `demo_train` line (module docstring): best of --loss_repeats after a warm-up call."""
-    from cope_jax.learning.train_step import Learner
+    from cope_jax.train.train_step import Learner
     from cope_jax.stages.loop import learn
     import models
 

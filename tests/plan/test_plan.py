@@ -20,8 +20,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 import models
 from configs import demo
 from cope_jax.run import run_config
-from cope_jax.learning import train_step as ts
-from cope_jax.learning.methods import get_method
+from cope_jax.train import train_step as ts
+from cope_jax.objective.methods import get_method
 from cope_jax.plan import measure, planner, programs, targets
 from models import presets, qwen
 from tests.paths import ROOT

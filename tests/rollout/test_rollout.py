@@ -306,7 +306,7 @@ def test_expert_demonstrations_with_mistakes_teach_recovery_not_the_mistake(setu
         assert taken == want
     assert slips > 0
     # the forecasting targets are the expert's actions only (skip_invalid off, the default)
-    from cope_jax.learning.forecasting import ForecastConfig, target_windows
+    from cope_jax.batch.forecasting import ForecastConfig, target_windows
     for d in demos:
         for targets in target_windows(d, ForecastConfig(horizon=3)):
             assert all(d.is_trained(j) for j in targets)

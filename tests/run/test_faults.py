@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from cope_jax.run import faults
-from cope_jax.learning.advantages import grpo_advantages
+from cope_jax.objective.advantages import grpo_advantages
 from cope_jax.rollout.trajectory import Trajectory
 from tests.stages.test_train_e2e import tiny_config
 

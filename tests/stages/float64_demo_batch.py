@@ -24,8 +24,8 @@ def old_dense(q, k, v, ids, block=None):
 
 def first_minibatch(parts, trajs, examples):
     """The demo step's first mini-batch (numpy [micro, rows, L]) with old / reference log-probs."""
-    from cope_jax.learning.batching import build_minibatches
-    from cope_jax.learning.train_step import Learner
+    from cope_jax.batch.batching import build_minibatches
+    from cope_jax.train.train_step import Learner
     from cope_jax.run import run_config
 
     c = parts.config
@@ -38,7 +38,7 @@ def first_minibatch(parts, trajs, examples):
 
 
 def loss_and_grads(model, batch, loss_cfg):
-    from cope_jax.learning import train_step
+    from cope_jax.train import train_step
     fn = jax.jit(lambda m, b: train_step.loss_and_grads(m, b, loss_cfg)[:2])
     from models import qwen
     loss, grads = fn(model, batch)

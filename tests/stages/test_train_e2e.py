@@ -44,7 +44,7 @@ def term_activity(record: dict, terms) -> dict:
 def test_every_method_trains_two_steps(method, tmp_path, monkeypatch):
     """Every step runs mini-batches and every term of the method moves the weights: its gradient
     norm (each term's own pass: `train.grad_norm_terms`) is finite and non-zero."""
-    from cope_jax.learning.methods import get_method
+    from cope_jax.objective.methods import get_method
 
     c = tiny_config(method)
     terms = c.train.grad_norm_terms = get_method(method).terms

@@ -29,7 +29,7 @@ def _step_one_terms(workdir: str, monkeypatch) -> list[dict]:
     """The loss terms of each optimizer step of RL step 1: the demo (its model, rows and batch) from
     its random init, with the expert's success in each group (so every term has tokens), on one
     device."""
-    from cope_jax.learning import train_step
+    from cope_jax.train import train_step
 
     c = demo.get_config()
     c.mesh = (1, 1, 1)

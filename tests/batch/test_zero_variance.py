@@ -5,12 +5,13 @@ import dataclasses
 import numpy as np
 import pytest
 
-from cope_jax.learning import advantages as adv_lib
-from cope_jax.learning import batching, methods
+from cope_jax.objective import advantages as adv_lib
+from cope_jax.batch import batching
+from cope_jax.objective import methods
 from cope_jax.rollout.trajectory import ForecastExample
 from cope_jax.rollout.runner import RolloutStats
 from cope_jax.stages import rl
-from tests.learning.test_packing import _tokens, _trajectories
+from tests.batch.test_packing import _tokens, _trajectories
 
 # group 0 all succeed, group 1 all fail (no signal), group 2 mixed
 SUCCESSES = [(0, 1), (0, 1), (1, 0), (1, 0), (2, 1), (2, 0)]

@@ -9,10 +9,12 @@ import numpy as np
 import optax
 import pytest
 
-from cope_jax.learning import batching, losses, methods, train_step
+from cope_jax.batch import batching
+from cope_jax.objective import losses, methods
+from cope_jax.train import train_step
 from models import qwen
-from tests.learning.test_sampler_drift import _sampled
-from tests.learning.test_train_step import CFG
+from tests.train.test_sampler_drift import _sampled
+from tests.train.test_train_step import CFG
 
 
 def test_mis_masks_exactly_the_tokens_outside_its_band_and_tis_caps_them():

@@ -4,8 +4,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from cope_jax.learning import batching, methods, packing, segments
-from cope_jax.learning.advantages import forecast_weights
+from cope_jax.batch import batching, packing, segments
+from cope_jax.objective import methods
+from cope_jax.objective.advantages import forecast_weights
 from cope_jax.rollout.trajectory import ForecastExample, Trajectory
 
 

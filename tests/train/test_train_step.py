@@ -10,9 +10,11 @@ import pytest
 from flax import nnx
 
 import models
-from cope_jax.learning import advantages, batching, logprobs, methods, train_step
-from cope_jax.learning.advantages import forecast_weights
-from cope_jax.learning.packing import pad_micro
+from cope_jax.batch import batching
+from cope_jax.objective import advantages, methods
+from cope_jax.train import logprobs, train_step
+from cope_jax.objective.advantages import forecast_weights
+from cope_jax.batch.packing import pad_micro
 from cope_jax.rollout.trajectory import ForecastExample, Trajectory
 
 CFG = models.QwenConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,

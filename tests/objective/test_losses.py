@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cope_jax.learning import losses
+from cope_jax.objective import losses
 
 
 def test_sequence_token_weights_all_modes():

@@ -2,7 +2,7 @@
 
 Each term's host weight function (`methods.TERMS[term].weights`) sees the loss-token counts of the
 whole mini-batch, after the segments were cut to the row, so any packing or micro-batch split of
-the mini-batch gives the same loss and gradients (`cope_jax/learning/losses.py`). The first token of
+the mini-batch gives the same loss and gradients (`cope_jax/objective/losses.py`). The first token of
 a segment has no prediction inside it and is never a loss token.
 """
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Sequence
 
 import numpy as np
 
-from cope_jax.learning.methods import TERMS, LossConfig, WeightInputs
-from cope_jax.learning.packing import Segment
-from cope_jax.learning.segments import Branch
+from cope_jax.objective.methods import TERMS, LossConfig, WeightInputs
+from cope_jax.batch.packing import Segment
+from cope_jax.batch.segments import Branch
 from cope_jax.rollout.trajectory import ForecastExample
 
 _MASKS = {"action": lambda s: s.action_mask, "observation": lambda s: s.obs_mask}

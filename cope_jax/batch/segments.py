@@ -1,9 +1,9 @@
 """One mini-batch's sequences as segments: trajectories cut to the row, then their forecasting
-examples as branches (host side, numpy; no loss weights yet: `cope_jax/learning/weights.py` gives
+examples as branches (host side, numpy; no loss weights yet: `cope_jax/batch/weights.py` gives
 them from the tokens these segments keep).
 
 Examples of one trajectory share its history (`ForecastExample.prefix_len`), so they are laid out
-as trees (`cope_jax/learning/packing.py`): each example's continuation is a branch of a trunk holding
+as trees (`cope_jax/batch/packing.py`): each example's continuation is a branch of a trunk holding
 the history. Where the trajectory's own segment is in the mini-batch and its row has room, the
 examples hang on it, costing only their continuations; the others share a trunk copy of the longest
 history they need, as many per segment as fit in a row; an example without a shared prefix is a
@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from cope_jax.learning.packing import TOKEN_FIELDS, Segment, truncate_left
+from cope_jax.batch.packing import TOKEN_FIELDS, Segment, truncate_left
 from cope_jax.rollout.trajectory import ForecastExample
 
 

@@ -3,7 +3,7 @@
 Every example starts from a *prefix of the recorded token ids* of a successful episode, the history
 up to and including observation o_t (everything before the generation prompt of action t), so the
 history is never re-tokenized, and examples of one episode share it (`prefix_len`: the train step
-packs their histories once, as one tree; `cope_jax/learning/batching.py`). What follows depends on the kind:
+packs their histories once, as one tree; `cope_jax/batch/batching.py`). What follows depends on the kind:
 
 - 'forecast' (CoPE): a user turn with the planning request of appendix C.6, then the realized actions
   a_t .. a_{t+K} as the target. ReAct layout: one assistant turn, one action per line.
@@ -40,7 +40,7 @@ from typing import Sequence
 
 import numpy as np
 
-from cope_jax.learning.advantages import forecast_weights
+from cope_jax.objective.advantages import forecast_weights
 from cope_jax.rollout.chat import ChatFormat
 from cope_jax.rollout.trajectory import ForecastExample, Trajectory
 

@@ -34,11 +34,11 @@ from typing import Sequence
 
 import numpy as np
 
-from cope_jax.learning import advantages as adv_lib
-from cope_jax.learning import segments as seg_lib
-from cope_jax.learning import weights as weight_lib
-from cope_jax.learning.methods import TERMS, LossConfig, MethodSpec, ordered
-from cope_jax.learning.packing import PackedBatch, PackStats, Segment, concat_rows, pack, split_micro
+from cope_jax.objective import advantages as adv_lib
+from cope_jax.batch import segments as seg_lib
+from cope_jax.batch import weights as weight_lib
+from cope_jax.objective.methods import TERMS, LossConfig, MethodSpec, ordered
+from cope_jax.batch.packing import PackedBatch, PackStats, Segment, concat_rows, pack, split_micro
 from cope_jax.rollout.trajectory import ForecastExample, Trajectory
 
 

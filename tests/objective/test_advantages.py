@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from cope_jax.learning import advantages as adv
+from cope_jax.objective import advantages as adv
 
 
 def test_grpo_group_normalization_unbiased_std():

@@ -11,7 +11,9 @@ import pytest
 from flax import nnx
 
 import models
-from cope_jax.learning import batching, methods, train_step
+from cope_jax.batch import batching
+from cope_jax.objective import methods
+from cope_jax.train import train_step
 from models import lora, qwen
 
 CFG = models.QwenConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,

@@ -9,12 +9,12 @@ so a packed segment computes exactly what it would alone.
 A segment may also be a *tree*: a trunk (`branch_ids` 0) followed by branches 1, 2, ... that each
 continue a prefix of the trunk (positions going on from the prefix length). Forecasting examples of
 one trajectory share its history this way, packed once instead of once per example
-(`cope_jax/learning/batching.py` builds them; `models.attention.packed_ids` gives the attention pattern).
+(`cope_jax/batch/batching.py` builds them; `models.attention.packed_ids` gives the attention pattern).
 
 Sequences longer than L are cut from the left by `truncate_left` (the most recent context and all
 later tokens are kept), counted in `PackStats`; `pack` itself refuses an over-long segment, so
 nothing is ever dropped silently. Loss weights must be computed *after* truncation, from the kept
-tokens (`cope_jax/learning/batching.py` does this).
+tokens (`cope_jax/batch/batching.py` does this).
 
 All masks and per-token values are in token coordinates: entry t describes token t itself (its
 logprob is computed from the hidden state at t - 1 of the same segment).
@@ -46,10 +46,10 @@ class Segment:
     """One sequence with its per-token training inputs (numpy, [T] each).
 
     advantage: the trajectory's advantage on its action tokens (0 elsewhere).
-    weights: {loss term: [T] float32}, each token's weight in that term's loss (`cope_jax/learning/methods.py`;
+    weights: {loss term: [T] float32}, each token's weight in that term's loss (`cope_jax/objective/methods.py`;
         0 = no loss); a term the segment has no tokens of is absent (packed as zeros).
     old_logp / ref_logp: logprobs under the rollout and reference policies (filled by the
-        forward-only functions of `cope_jax/learning/train_step.py` after packing, or given directly).
+        forward-only functions of `cope_jax/train/train_step.py` after packing, or given directly).
     branch_ids / positions: the tree layout (module docstring); default one branch, 0, 1, ...
     seq_index: the sequence's index in its mini-batch (the packed batch's `seq_index`).
     truncated: tokens already cut from the left.

@@ -8,11 +8,13 @@ import numpy as np
 import optax
 import pytest
 
-from cope_jax.learning import batching, methods, train_step
+from cope_jax.batch import batching
+from cope_jax.objective import methods
+from cope_jax.train import train_step
 from cope_jax.rollout.sampler import Sampler
 from cope_jax.rollout.trajectory import Trajectory
 from models import qwen
-from tests.learning.test_train_step import CFG
+from tests.train.test_train_step import CFG
 
 PROMPTS = [[3, 9, 4, 12, 7], [5, 1, 2, 8, 30, 11, 6], [40, 2, 2, 9], [17, 21, 5, 5, 5, 8]]
 NEW = 12

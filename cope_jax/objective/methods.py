@@ -2,10 +2,10 @@
 hyperparameters (`LossConfig`).
 
 A loss term is one `Term` record: which tokens carry its weight, the host function that turns their
-counts into per-token weights (exact aggregation over the whole mini-batch: `cope_jax/learning/losses.py`),
+counts into per-token weights (exact aggregation over the whole mini-batch: `cope_jax/objective/losses.py`),
 the device function of its loss, its coefficient in the minimized objective, the metrics it
-reports and the inputs it needs beyond the log-probs. `cope_jax/learning/batching.py` gives a packed batch
-one weight array per term in use; `cope_jax/learning/train_step.py` sums `coefficient * loss` over them.
+reports and the inputs it needs beyond the log-probs. `cope_jax/batch/batching.py` gives a packed batch
+one weight array per term in use; `cope_jax/train/train_step.py` sums `coefficient * loss` over them.
 
   term      tokens                                   weights                 coefficient
   pg        action tokens of trajectory rows         aggregation mode        1
@@ -29,7 +29,7 @@ from typing import Callable
 
 import numpy as np
 
-from cope_jax.learning import losses
+from cope_jax.objective import losses
 
 TOKEN_KINDS = ("action", "observation", "target")   # Term.tokens
 NEEDS = ("old_logp", "ref_logp", "entropy")          # Term.needs

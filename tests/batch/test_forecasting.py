@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from cope_jax.rollout.chat import ChatFormat
-from cope_jax.learning.forecasting import (NEXT_ACTION, PLAN_REQUEST, ForecastConfig, build_examples, history_prefix,
+from cope_jax.batch.forecasting import (NEXT_ACTION, PLAN_REQUEST, ForecastConfig, build_examples, history_prefix,
                                   target_windows)
 from cope_jax.rollout.tokenizer import IM_END, load_tokenizer
 from cope_jax.rollout.trajectory import Trajectory

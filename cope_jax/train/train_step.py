@@ -1,11 +1,11 @@
 """The fused train step: packed micro-batches -> one AdamW update, for any registered method.
 
-One step = one PPO mini-batch (`cope_jax/learning/batching.py`): a PackedBatch [micro, rows, L] and the loss
-terms it optimizes (`cope_jax/learning/methods.py`). Inside one jitted function:
+One step = one PPO mini-batch (`cope_jax/batch/batching.py`): a PackedBatch [micro, rows, L] and the loss
+terms it optimizes (`cope_jax/objective/methods.py`). Inside one jitted function:
 
 1. `lax.scan` over micro-batches. Each micro-batch runs the decoder over its packed rows, then the
-   chunked per-token logprobs / entropies (`cope_jax/learning/logprobs.py`; the [tokens, vocab] logits never
-   exist at once), then the fused loss `sum_term coef_term * term` (`cope_jax/learning/losses.py`). The
+   chunked per-token logprobs / entropies (`cope_jax/train/logprobs.py`; the [tokens, vocab] logits never
+   exist at once), then the fused loss `sum_term coef_term * term` (`cope_jax/objective/losses.py`). The
    coefficients are a runtime input (0 for terms outside the method): every method, the
    sequential AF step and any coefficient schedule run the same executable; only the entropy
    (an extra pass over the vocabulary) is a static switch.
@@ -35,10 +35,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from cope_jax.learning import logprobs as lp
-from cope_jax.learning import losses
-from cope_jax.learning.methods import TERMS, LossConfig, needing, ordered, reported
-from cope_jax.learning.packing import TOKEN_FIELDS, PackedBatch
+from cope_jax.train import logprobs as lp
+from cope_jax.objective import losses
+from cope_jax.objective.methods import TERMS, LossConfig, needing, ordered, reported
+from cope_jax.batch.packing import TOKEN_FIELDS, PackedBatch
 from models import loops, qwen
 from models import sharding as shd
 
@@ -387,7 +387,7 @@ class Learner:
         return batch
 
     def train(self, minibatches, ref_model=None) -> list[dict]:
-        """One train batch: `minibatches` (`cope_jax.learning.batching.MiniBatch`es, in order), sampled from
+        """One train batch: `minibatches` (`cope_jax.batch.batching.MiniBatch`es, in order), sampled from
         the current parameters. When only the first reads old log-probs (one policy mini-batch, one
         epoch), they are the parameters' own at its step: it runs `on_policy`, without that pass."""
         with_old = [i for i, mb in enumerate(minibatches) if needing(self.cfg.active_terms(mb.terms), "old_logp")]
