@@ -231,8 +231,8 @@ def _corpus(c: ml_collections.ConfigDict, family, pool: EnvPool) -> list[str]:
     """Text the demo tokenizer is trained on: the prompts, and the expert episodes of the first
     train tasks (each played to its end, without a round limit)."""
     texts = [family.instruction(), family.acknowledgement(), family.invalid_action_message]
-    plans = [(t, list(family.expert_actions(t))) for t in family.task_ids(c.env.train_split)[:CORPUS_TASKS]]
-    for (t, actions), played in zip(plans, play_actions(pool, c.env.family, plans, max_rounds=None)):
+    scripts = [(t, list(family.expert_actions(t))) for t in family.task_ids(c.env.train_split)[:CORPUS_TASKS]]
+    for (t, actions), played in zip(scripts, play_actions(pool, c.env.family, scripts, max_rounds=None)):
         if played["error"]:  # the corpus is the same text every time, or the tokenizer would differ
             raise FaultError(f"the tokenizer's corpus: the expert episode of task {t} ended by an environment "
                              f"fault ({played['error']}); rerun to retry")

@@ -53,22 +53,22 @@ def expert_trajectories(runner: RolloutRunner, task_ids: Sequence[int], *, max_r
         raise ConfigError(f"warmstart.dawdle={dawdle}: environment family {runner.family_name!r} has no "
                          "idle_action to dawdle with")
     rng = random.Random(seed)
-    plans, broken = {}, {}
+    scripts, broken = {}, {}
     for i, t in enumerate(task_ids):
         expert = list(family.expert_actions(t))
         spare = max_rounds - len(expert)  # slips and idling never cost a demonstration its success
-        plan, slips, extra = [], set(), 0
+        script, slips, extra = [], set(), 0
         for a in expert:
             if extra < spare and rng.random() < mistakes:
-                slips.add(len(plan))
-                plan.append(_broken(a))
+                slips.add(len(script))
+                script.append(_broken(a))
                 extra += 1
             if dawdle and extra < spare and rng.random() < dawdle:
-                plan.append(idle)
+                script.append(idle)
                 extra += 1
-            plan.append(a)
-        plans[i], broken[i] = plan[:max_rounds], slips
-    played = play_actions(pool, runner.family_name, [(t, plans[i]) for i, t in enumerate(task_ids)],
+            script.append(a)
+        scripts[i], broken[i] = script[:max_rounds], slips
+    played = play_actions(pool, runner.family_name, [(t, scripts[i]) for i, t in enumerate(task_ids)],
                           max_rounds=max_rounds, timeout=timeout)
     out = []
     invalid = family.invalid_action_message
@@ -77,30 +77,30 @@ def expert_trajectories(runner: RolloutRunner, task_ids: Sequence[int], *, max_r
         # a broken action the environment accepted changed the state the expert planned from
         clean = all(j + 1 >= len(rec["obs"]) or rec["obs"][j + 1] == invalid for j in broken[i])
         if rec["success"] and clean:
-            replies = [reply_format.format(action=a) for a in plans[i][:rec["played"]]]
+            replies = [reply_format.format(action=a) for a in scripts[i][:rec["played"]]]
             out.append(scripted_trajectory(runner.layout, t, i, rec["obs"], rec["infos"], replies,
                                            score=rec["score"], success=True, context_only=sorted(broken[i])))
     return out
 
 
-def play_actions(pool, family_name: str, plans: Sequence[tuple[int, Sequence[str]]], *,
+def play_actions(pool, family_name: str, scripts: Sequence[tuple[int, Sequence[str]]], *,
                  max_rounds: int | None, timeout: float = 120.0) -> list[dict]:
     """Plays each (task id, actions) through the pool, all episodes in flight at once, until the
-    environment ends it or its actions run out. Per episode, in plan order: `obs` (the reset's
+    environment ends it or its actions run out. Per episode, in the order of `scripts`: `obs` (the reset's
     observation, then one per action played), `infos`, the last `score` and `success`, `played`
     (how many actions) and `error` (the pool's, None when every call succeeded)."""
     record = [{"obs": [], "infos": [], "score": 0.0, "success": False, "played": 0, "error": None}
-              for _ in plans]
-    for i, (t, _) in enumerate(plans):
+              for _ in scripts]
+    for i, (t, _) in enumerate(scripts):
         pool.submit_reset(("demo", i), family_name, int(t), max_rounds=max_rounds)
-    live = len(plans)
+    live = len(scripts)
     while live:
         results = pool.poll(timeout)
         if not results:
             raise TimeoutError(f"scripted episodes: no environment result within {timeout} s")
         for r in results:
             i = r.env_key[1]
-            rec, actions = record[i], plans[i][1]
+            rec, actions = record[i], scripts[i][1]
             rec["obs"].append(r.observation)
             rec["infos"].append(dict(r.info))
             rec["score"], rec["success"], rec["error"] = float(r.score), bool(r.success), r.error

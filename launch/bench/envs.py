@@ -68,7 +68,7 @@ def _group_rss_mib(pgid: int) -> float:
 
 def _drive(pool, family: str, workers: int, steps: int, solutions) -> dict:
     """Run `workers` concurrent episodes until `steps` steps are done; timings."""
-    plan: dict = {}
+    script: dict = {}
     cursor = [0]
     done_steps = 0
     step_lat, reset_lat = [], []
@@ -76,7 +76,7 @@ def _drive(pool, family: str, workers: int, steps: int, solutions) -> dict:
     def start(ep):
         tid, actions = solutions[cursor[0] % len(solutions)]
         cursor[0] += 1
-        plan[ep] = list(actions)
+        script[ep] = list(actions)
         pool.submit_reset(ep, family, tid, max_rounds=len(actions))
 
     t = time.perf_counter()
@@ -88,11 +88,11 @@ def _drive(pool, family: str, workers: int, steps: int, solutions) -> dict:
                 raise RuntimeError(f"{family}: {r.error}: {r.reason}")
             (reset_lat if r.kind == "reset" else step_lat).append(r.elapsed)
             done_steps += r.kind == "step"
-            if r.done or not plan[r.env_key]:
+            if r.done or not script[r.env_key]:
                 pool.release(r.env_key)
                 start(r.env_key)
             else:
-                pool.submit_step(r.env_key, plan[r.env_key].pop(0))
+                pool.submit_step(r.env_key, script[r.env_key].pop(0))
     wall = time.perf_counter() - t
     for r in pool.wait_all(timeout=60):  # drain the episodes still running
         pool.release(r.env_key)

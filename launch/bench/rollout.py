@@ -139,9 +139,9 @@ def replay_actions(pool, family: str, trajs, max_rounds: int) -> tuple[float, in
     (wall seconds, environment steps)."""
     from cope_jax.run.demos import play_actions
 
-    plans = [(t.task_id, t.actions[:len(t.observations) - 1]) for t in trajs]
+    scripts = [(t.task_id, t.actions[:len(t.observations) - 1]) for t in trajs]
     t0 = time.perf_counter()
-    played = play_actions(pool, family, plans, max_rounds=max_rounds)
+    played = play_actions(pool, family, scripts, max_rounds=max_rounds)
     return time.perf_counter() - t0, sum(p["played"] for p in played)
 
 
@@ -216,7 +216,7 @@ def measure(family_name: str, model, tokenizer, style: str, eos_ids) -> dict:
     workers, instances = FLAGS.rollout_workers, FLAGS.rollout_envs_per_worker
     family = make_family(family_name)
     chat = ChatFormat(tokenizer, style)
-    plan = _tasks(family, FLAGS.rollout_episodes)
+    schedule = _tasks(family, FLAGS.rollout_episodes)
     rows = FLAGS.rollout_rows or workers * instances
     sampler = Sampler(model, batch_size=rows, max_len=MAX_LEN, eos_ids=eos_ids)
     cfg = RolloutConfig(max_rounds=FLAGS.rollout_rounds, max_turn_tokens=FLAGS.rollout_turn_tokens,
@@ -241,34 +241,34 @@ def measure(family_name: str, model, tokenizer, style: str, eos_ids) -> dict:
     with EnvPool({family_name: workers}, envs_per_worker=instances) as pool:
         runner = RolloutRunner(sampler, pool, family_name, family, chat, cfg)
         lockstep = RolloutRunner(sampler, pool, family_name, family, chat, dataclasses.replace(cfg, sync=True))
-        ids = range(len(plan))
+        ids = range(len(schedule))
         for _ in range(WARMUP_PASSES):  # compiles, starts and warms the environments
             before = _COMPILE["s"]
-            runner.run(plan, key, prefetch=plan, prefetch_ids=ids)
-            trajs, _ = runner.run(plan, key)
-            RolloutRunner(sampler, ReplayPool(trajs), family_name, family, chat, cfg).run(plan, key)
-            lockstep.run(plan, key)
+            runner.run(schedule, key, prefetch=schedule, prefetch_ids=ids)
+            trajs, _ = runner.run(schedule, key)
+            RolloutRunner(sampler, ReplayPool(trajs), family_name, family, chat, cfg).run(schedule, key)
+            lockstep.run(schedule, key)
             if _COMPILE["s"] == before:
                 break
         compile_before = _COMPILE["s"]
         wall = lambda out: out[1].wall_s  # noqa: E731
         for _ in range(FLAGS.rollout_repeats):
-            timed("cold_wall_s", lambda: runner.run(plan, key), wall)
+            timed("cold_wall_s", lambda: runner.run(schedule, key), wall)
             # the steady state of training: this batch's environments were reset during the batch
             # before it, and it resets the next one's
-            runner.run(plan, key, prefetch=plan, prefetch_ids=ids)
+            runner.run(schedule, key, prefetch=schedule, prefetch_ids=ids)
             time.sleep(FLAGS.rollout_update_s)  # the train step
-            trajs, stats = timed("wall_s", lambda: runner.run(plan, key, prefetch=plan, prefetch_ids=ids), wall)
+            trajs, stats = timed("wall_s", lambda: runner.run(schedule, key, prefetch=schedule, prefetch_ids=ids), wall)
             runner.cancel_prefetch()
             pool.wait_all()  # and lets its resets finish before the next measurement
             replay = RolloutRunner(sampler, ReplayPool(trajs), family_name, family, chat, cfg)
-            _, rstats = timed("sampling_s", lambda: replay.run(plan, key), wall)
+            _, rstats = timed("sampling_s", lambda: replay.run(schedule, key), wall)
             _, env_steps = timed("env_s", lambda: replay_actions(pool, family_name, trajs, FLAGS.rollout_rounds),
                                  lambda out: out[0])
-            timed("sync_wall_s", lambda: lockstep.run(plan, key), wall)
+            timed("sync_wall_s", lambda: lockstep.run(schedule, key), wall)
     family.close()
     fields = {"suite": "rollout", "family": family_name, "workers": workers, "envs_per_worker": instances, "rows": rows,
-              "episodes": len(plan), "env_steps": stats.env_steps, "env_steps_replayed": env_steps,
+              "episodes": len(schedule), "env_steps": stats.env_steps, "env_steps_replayed": env_steps,
               "gen_tokens": stats.generated_tokens, "gen_tokens_replayed": rstats.generated_tokens,
               "turn_end": FLAGS.rollout_turn_end, "stream_every": cfg.stream_every, "update_s": FLAGS.rollout_update_s}
     return _line(fields, best, compiled, round(_COMPILE["s"] - compile_before, 3))

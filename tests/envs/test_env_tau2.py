@@ -133,7 +133,7 @@ def test_gold_replay_through_the_pool():
     fam = Tau2Env()
     ids = [i for d in DOMAINS for i in _test_ids(d, 1)]
     with EnvPool({"tau2": 2}) as pool:
-        plans = {tid: gold_replies(fam.load_task(tid)) for tid in ids}
+        scripts = {tid: gold_replies(fam.load_task(tid)) for tid in ids}
         for tid in ids:
             pool.submit_reset(tid, "tau2", tid, max_rounds=50)
         finals, deadline = {}, time.monotonic() + 180
@@ -145,7 +145,7 @@ def test_gold_replay_through_the_pool():
                 if r.done:
                     finals[r.env_key] = r
                 else:
-                    pool.submit_step(r.env_key, fam.parse_action(plans[r.env_key].pop(0)))
+                    pool.submit_step(r.env_key, fam.parse_action(scripts[r.env_key].pop(0)))
     assert set(finals) == set(ids)
     assert all(r.success and r.score == 1.0 for r in finals.values())
     assert {fam.task_family(t) for t in finals} == set(DOMAINS)

@@ -19,7 +19,7 @@ FAM = BuiltinEnv()
 
 def _run_experts(pool, episodes):
     """Drive episodes {episode: task_id} with expert actions; returns final results."""
-    plans = {ep: FAM.expert_actions(tid) for ep, tid in episodes.items()}
+    scripts = {ep: FAM.expert_actions(tid) for ep, tid in episodes.items()}
     for ep, tid in episodes.items():
         pool.submit_reset(ep, "builtin", tid, max_rounds=20)
     finals = {}
@@ -30,7 +30,7 @@ def _run_experts(pool, episodes):
             if r.done:
                 finals[r.env_key] = r
             else:
-                pool.submit_step(r.env_key, plans[r.env_key].pop(0))
+                pool.submit_step(r.env_key, scripts[r.env_key].pop(0))
     return finals
 
 

@@ -56,9 +56,9 @@ def _reset(pool, ep, tid=None):
 
 def _drive_batch(pool, episodes, faults):
     """Run expert episodes on chaos workers; `faults` {episode: action} is sent as the 2nd step."""
-    plans = {ep: FAM.expert_actions(t) for ep, t in episodes.items()}
+    scripts = {ep: FAM.expert_actions(t) for ep, t in episodes.items()}
     for ep, fault in faults.items():
-        plans[ep].insert(1, fault)
+        scripts[ep].insert(1, fault)
     for ep, t in episodes.items():
         pool.submit_reset(ep, "chaos", t, max_rounds=20)
     finals = {}
@@ -68,7 +68,7 @@ def _drive_batch(pool, episodes, faults):
             if r.done:
                 finals[r.env_key] = r
             else:
-                pool.submit_step(r.env_key, plans[r.env_key].pop(0))
+                pool.submit_step(r.env_key, scripts[r.env_key].pop(0))
     return finals
 
 
