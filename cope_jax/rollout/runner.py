@@ -67,12 +67,32 @@ class RolloutConfig:
 
 @dataclasses.dataclass
 class RolloutStats:
-    """What one rollout batch did, and how long it took."""
+    """What one rollout batch did, and how long it took.
+
+    Occupancy is how full the sampler's calls were: the rows a call decodes over the sampler's rows.
+    A rollout's tail is the wall time after a call that decoded under half the rows, until the next
+    call or the rollout's end (`low_occupancy_s`; counted from the first call: the resets before it
+    are not tail). Every field adds up over rollouts and hosts, but `wall_s`, the slowest host's."""
 
     wall_s: float = 0.0
     generated_tokens: int = 0
     env_steps: int = 0
     replays: int = 0  # episodes started again after their worker was lost
+    decode_calls: int = 0  # sampler calls that generated a turn
+    rows_decoded: int = 0  # rows in those calls
+    row_capacity: int = 0  # the sampler's rows, once per call
+    low_occupancy_s: float = 0.0  # wall seconds in the tail (above)
+    host_wall_s: float = 0.0  # wall seconds, summed over hosts and rollouts
+
+    @property
+    def occupancy(self) -> float:
+        """Mean rows decoding per call over the sampler's rows (0 without calls)."""
+        return self.rows_decoded / self.row_capacity if self.row_capacity else 0.0
+
+    @property
+    def low_occupancy_share(self) -> float:
+        """The share of the rollouts' wall time spent in the tail (under half occupancy)."""
+        return self.low_occupancy_s / self.host_wall_s if self.host_wall_s else 0.0
 
     @classmethod
     def combined(cls, parts: Sequence["RolloutStats"]) -> "RolloutStats":
@@ -94,6 +114,7 @@ class RolloutRunner:
         self._generate_s = 0.0  # running mean of a generate call's time (0: none yet)
         self._ahead: dict[tuple[int, int, int], object] = {}  # prefetched (task, group, id) -> env key
         self._early: dict[object, object] = {}  # env key -> its reset result, arrived before its run
+        self._last_call: tuple[float, bool] | None = None  # (start, under half the rows) of this run's last call
 
     def run(self, tasks: Sequence[tuple[int, int]], key: jax.Array, *,
             episode_ids: Sequence[int] | None = None, prefetch: Sequence[tuple[int, int]] = (),
@@ -116,6 +137,7 @@ class RolloutRunner:
         stats = RolloutStats()
         t_start = time.perf_counter()
         state = self.sampler.init_state()
+        self._last_call = None
         episodes = self._episodes(tasks, episode_ids)
         ahead_ids = range(len(prefetch)) if prefetch_ids is None else [int(u) for u in prefetch_ids]
         if len(ahead_ids) != len(prefetch):
@@ -140,7 +162,9 @@ class RolloutRunner:
                 if not ep.done or ep.row is not None:
                     self._abandon(ep, state)
             self.sampler.drop_unrolled_params()  # the update needs the memory; the next run's policy differs
-        stats.wall_s = time.perf_counter() - t_start
+        end = time.perf_counter()
+        self._count_tail(stats, end)
+        stats.wall_s = stats.host_wall_s = end - t_start
         return [self.layout.trajectory(ep) for ep in episodes], stats
 
     def cancel_prefetch(self) -> None:
@@ -268,11 +292,22 @@ class RolloutRunner:
         if not ready:
             return len(ended)
         t_gen = time.perf_counter()
+        self._count_tail(stats, t_gen, low=2 * len(ready) < self.sampler.batch_size)
+        stats.decode_calls += 1
+        stats.rows_decoded += len(ready)
+        stats.row_capacity += self.sampler.batch_size
         generated = self._generate(state, ready, key, stats)
         took = time.perf_counter() - t_gen
         self._generate_s = took if not self._generate_s else 0.8 * self._generate_s + 0.2 * took
         ready.clear()
         return len(ended) + generated
+
+    def _count_tail(self, stats: RolloutStats, now: float, low: bool | None = None) -> None:
+        """Adds the time since the last call to the tail if that call was under half occupancy, and
+        starts the next interval at `now` (with the new call's `low`; None: the rollout ended)."""
+        if self._last_call is not None and self._last_call[1]:
+            stats.low_occupancy_s += now - self._last_call[0]
+        self._last_call = None if low is None else (now, low)
 
     def _replay(self, ep: PlayedEpisode, state: SamplerState, need_row: list, ready: list):
         """Starts `ep` again from its reset (module docstring); returns its new environment key."""

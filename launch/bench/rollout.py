@@ -19,6 +19,11 @@ that compiles the sampler's shapes and warms the environments, e.g. the JVM's JI
 - `env_s`: pure environment time, the recorded actions replayed through the same pool (same
   workers, same environment instances) with no model, each episode's next action sent as soon as its result is in.
 
+`occupancy` (the rows a sampler call decodes over the sampler's rows, averaged over the calls of the
+last `wall_s` run) and `low_occupancy_share` (the share of that run's wall time after calls under half
+occupancy: the rollout's tail, `RolloutStats`) say how much of the batch the sampler still had when
+the last episodes ran.
+
 `overlap = wall_s / max(sampling_s, env_s)` (`cold_overlap` from `cold_wall_s`): 1.0 means
 environment time hides completely behind decoding (or the reverse); `wall_s / (sampling_s + env_s)`
 near 1 means none does. A lockstep
@@ -270,6 +275,7 @@ def measure(family_name: str, model, tokenizer, style: str, eos_ids) -> dict:
     fields = {"suite": "rollout", "family": family_name, "workers": workers, "envs_per_worker": instances, "rows": rows,
               "episodes": len(schedule), "env_steps": stats.env_steps, "env_steps_replayed": env_steps,
               "gen_tokens": stats.generated_tokens, "gen_tokens_replayed": rstats.generated_tokens,
+              "occupancy": round(stats.occupancy, 3), "low_occupancy_share": round(stats.low_occupancy_share, 3),
               "turn_end": FLAGS.rollout_turn_end, "stream_every": cfg.stream_every, "update_s": FLAGS.rollout_update_s}
     return _line(fields, best, compiled, round(_COMPILE["s"] - compile_before, 3))
 

@@ -49,6 +49,7 @@ def test_the_line_puts_the_rollout_next_to_its_parts():
     assert line["sum_s"] == pytest.approx(line["sampling_s"] + line["env_s"], rel=0.002)
     assert line["wall_over_sum"] == pytest.approx(line["wall_s"] / line["sum_s"], rel=0.005)
     assert line["cpus"] == len(os.sched_getaffinity(0))
+    assert 0 < line["occupancy"] <= 1 and 0 <= line["low_occupancy_share"] <= 1
     # the floor: the longer of the two walls, or their CPU time over the cores, over that wall
     longer = max(line["sampling_s"], line["env_s"])
     cpu_bound = (line["sampling_cpu_s"] + line["env_cpu_s"]) / line["cpus"]

@@ -1,11 +1,13 @@
 """The rollout loop on the built-in environment: token-exact trajectories (method §1)."""
+import time
+
 import jax
 import numpy as np
 import pytest
 
 import models
 from cope_jax.rollout.chat import ChatFormat
-from cope_jax.rollout.runner import RolloutConfig, RolloutRunner
+from cope_jax.rollout.runner import RolloutConfig, RolloutRunner, RolloutStats
 from cope_jax.rollout.sampler import Sampler
 from cope_jax.rollout.tokenizer import IM_END, IM_START, train_sentencepiece
 from envs.pool import EnvPool
@@ -63,6 +65,50 @@ class Recorder:
         self.calls.append(out)
         self.events.append(("generate", len(rows)))
         return out
+
+
+class TimedRecorder(Recorder):
+    """A Recorder that also keeps when each generate call started and ended."""
+
+    def __init__(self, sampler):
+        super().__init__(sampler)
+        self.spans = []
+
+    def generate(self, state, rows, *args, **kw):
+        t = time.perf_counter()
+        try:
+            return super().generate(state, rows, *args, **kw)
+        finally:
+            self.spans.append((t, time.perf_counter(), len(rows)))
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_occupancy_counts_each_call_and_the_tail_is_the_time_after_calls_under_half(setup, sync):
+    tok, chat, sampler, pool = setup
+    rec = TimedRecorder(sampler)
+    runner = RolloutRunner(rec, pool, "builtin", FAMILY, chat,
+                           RolloutConfig(max_rounds=3, max_turn_tokens=6, sync=sync))
+    tasks = [(t, g) for g, t in enumerate(FAMILY.task_ids("train")[:3]) for _ in range(2)]  # 6 > 4 rows
+    trajs, stats = runner.run(tasks, jax.random.key(3))
+    assert stats.decode_calls == len(rec.spans) > 0
+    assert stats.rows_decoded == sum(n for _, _, n in rec.spans) == sum(len(t.action_spans) for t in trajs)
+    assert stats.row_capacity == 4 * len(rec.spans)
+    assert stats.occupancy == pytest.approx(stats.rows_decoded / (4 * len(rec.spans)))
+    # every call of fewer than 2 of the 4 rows is tail, with the time until the next call starts
+    starts = [s for s, _, _ in rec.spans]
+    low = [(s, nxt) for (s, _, n), nxt in zip(rec.spans, starts[1:] + [None]) if 2 * n < 4]
+    inner = sum(nxt - s for s, nxt in low if nxt is not None)
+    assert inner <= stats.low_occupancy_s <= stats.wall_s == stats.host_wall_s
+    if low and low[-1][1] is None:  # the last call was under half: the tail runs to the rollout's end
+        assert stats.low_occupancy_s >= inner + rec.spans[-1][1] - rec.spans[-1][0]
+
+    one, alone = runner.run(tasks[:1], jax.random.key(3))
+    assert alone.rows_decoded == alone.decode_calls == len(one[0].action_spans)
+    assert alone.occupancy == 0.25 and 0 < alone.low_occupancy_s <= alone.wall_s  # one row of four: all tail
+    both = RolloutStats.combined([stats, alone])
+    assert both.wall_s == max(stats.wall_s, alone.wall_s) and both.host_wall_s == stats.wall_s + alone.wall_s
+    assert both.low_occupancy_share == pytest.approx((stats.low_occupancy_s + alone.low_occupancy_s)
+                                                     / (stats.wall_s + alone.wall_s))
 
 
 @pytest.mark.parametrize("sync", [False, True])
