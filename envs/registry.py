@@ -54,6 +54,8 @@ FAMILIES: dict[str, FamilySpec] = {
                    env_vars=("COPE_TAU2_LOG_LEVEL",)),
         # Fault injection for the pool's tests (crash / hang / raise on command).
         FamilySpec("chaos", "envs.chaos:ChaosEnv", call_timeout=10.0),
+        # Episodes of known, long-tailed lengths: the rollout's tail, measured and tested.
+        FamilySpec("tail", "envs.tail:TailEnv", call_timeout=10.0),
     )
 }
 
