@@ -66,7 +66,7 @@ def run(main: Callable[[list[str]], None]) -> None:
         try:
             _check_config_file()
             main(argv)
-        except refusals() as e:
+        except (app.UsageError, *refusals()) as e:  # a flag's value checked by the binary is a refusal too
             if flags.FLAGS.verbose:
                 raise
             _refuse(name, " ".join(str(e).split("\n")[0].split()) or type(e).__name__)

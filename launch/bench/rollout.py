@@ -306,6 +306,11 @@ def run(argv) -> None:
     del argv
     if FLAGS.rollout_update_s < 0:
         raise app.UsageError(f"--rollout_update_s must be >= 0, got {FLAGS.rollout_update_s}")
+    from envs.registry import FAMILIES
+
+    unknown = [f for f in FLAGS.rollout_families if f not in FAMILIES]
+    if unknown:
+        raise app.UsageError(f"--rollout_families: no family {', '.join(unknown)}; known: {', '.join(sorted(FAMILIES))}")
     model, tokenizer, style, eos_ids = _policy()
     for family in FLAGS.rollout_families:
         print(json.dumps(measure(family, model, tokenizer, style, eos_ids)), flush=True)

@@ -63,3 +63,7 @@ def test_bad_flags_are_refused():
     assert out.returncode != 0 and "a --rollout_model ends its own turns" in out.stderr
     out = _bench("--rollout_update_s=-1")
     assert out.returncode != 0 and "--rollout_update_s must be >= 0" in out.stderr
+    out = _bench("--rollout_families=builtin,nosuch")
+    assert out.returncode == 1 and out.stderr.strip().splitlines() == [
+        "bench: error: --rollout_families: no family nosuch; known: alfworld, appworld, builtin, chaos, sciworld, "
+        "tail, tau2, webshop"]

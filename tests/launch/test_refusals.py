@@ -62,6 +62,10 @@ def _binary(module, *args, cwd):
     (["--config=CONFIGS/demo.py:rft", "--workdir=run", "--config.train.zero_variance=filter"],
      "train.zero_variance='filter': method 'rft' has no group-relative advantage"),
     (["--config=CONFIGS/demo.py", "--workdir=run", "--config.env.eval_split=dev"], "env.eval_split='dev': unknown split"),
+    # what the binary checks itself (absl's UsageError) is one line too, not the module's docstring
+    (["--config=CONFIGS/demo.py", "--workdir=run", "stray"], "train: error: unexpected arguments: ['stray']"),
+    (["--config=CONFIGS/demo.py", "--workdir=run", "--num_processes=2"],
+     "train: error: --coordinator_address / --num_processes / --process_id need --multihost"),
 ])
 def test_train_refuses_in_one_line_and_writes_nothing(tmp_path, args, message):
     args = [a.replace("CONFIGS", os.path.join(REPO, "configs")).replace("REPO", REPO) for a in args]
