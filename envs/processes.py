@@ -66,8 +66,12 @@ class WorkerProcess:
         except OSError:
             self.stderr.close()
             raise
-        self.send(init)  # if it died at once, the EOF on its stdout reports the failed start
-        os.set_blocking(self.proc.stdout.fileno(), False)
+        try:
+            self.send(init)  # if it died at once, the EOF on its stdout reports the failed start
+            os.set_blocking(self.proc.stdout.fileno(), False)
+        except BaseException:  # e.g. init kwargs JSON cannot write: the started process goes too
+            self.kill()
+            raise
 
     @property
     def pid(self) -> int:

@@ -2,7 +2,8 @@
 binaries that run on several hosts join the multi-host run, and report a refused input in one line.
 
 A refusal (a bad flag value, a missing or mismatched file, a config the run cannot take, too many
-environment faults) is an exception of `refusals()`: `run` prints `<binary>: error: <why>` and exits 1,
+environment faults) is an exception of `refusals()`, or absl's `UsageError` where a binary checks
+its own flags: `run` prints `<binary>: error: <why>` and exits 1,
 with the traceback only under --verbose. Anything else is a bug and keeps its traceback.
 """
 from __future__ import annotations

@@ -418,16 +418,16 @@ def param_sharding(name: str, shape, mesh: jax.sharding.Mesh):
 
 def state_shardings(state, mesh: jax.sharding.Mesh):
     """NamedSharding per leaf of a state that holds parameters (a model's, or a (model, optimizer)'s):
-    each leaf is laid out as the parameter its path ends with (AdamW's moments like their parameter);
-    scalars (a step count) are replicated. Any other leaf is an error, not a silent replica."""
+    each leaf is laid out as the parameter its path ends with, if it has that parameter's rank
+    (AdamW's moments). An optimizer leaf shaped otherwise (a step count, a factored optimizer's row or
+    column statistics) is replicated: any optax transform runs. A model's own parameter always
+    matches (`PARAM_AXES` covers `param_shapes`)."""
     def one(path, leaf):
         name = param_path(path)
         for param in PARAM_AXES:
             if (name == param or name.endswith("/" + param)) and len(PARAM_AXES[param]) == len(leaf.shape):
                 return param_sharding(param, leaf.shape, mesh)
-        if len(leaf.shape) == 0:
-            return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        raise KeyError(f"{name!r} {tuple(leaf.shape)} is not laid out like any parameter")
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     return jax.tree_util.tree_map_with_path(one, state)
 
 

@@ -55,7 +55,7 @@ class RolloutConfig:
     # first call (cost unknown) it waits for every result that can join.
     batch_wait: float = 1.0
     # lockstep rounds: wait for every in-flight environment call and handle results in episode
-    # order before decoding, so the schedule (hence sampler batches) does not depend on timing and
+    # order before decoding, so the order of events (hence sampler batches) does not depend on timing and
     # rollouts are bit-reproducible; gives up overlapping environment steps with decoding
     sync: bool = False
     # streaming: finished turns are handed to the pool every this many decode steps (a host sync

@@ -196,7 +196,7 @@ def _check_tokenizer(c: ml_collections.ConfigDict, family) -> None:
 
 # -- the run's parts ---------------------------------------------------------------------------------
 def _pool(c: ml_collections.ConfigDict, rows: int, user: dict | None) -> EnvPool:
-    # fewer environment slots than sampler rows would leave rows idle: only that many live episodes
+    # fewer environment instances than sampler rows would leave rows idle: only that many live episodes
     envs = c.env.envs_per_worker or -(-rows // c.env.workers)
     deadline = c.env.call_timeout or get_spec(c.env.family).call_timeout
     # the customer's calls of one step share most of the step's deadline (envs/tau2.py): a slow

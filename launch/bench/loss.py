@@ -363,8 +363,8 @@ def demo_phase():
     c = get_config()
     parts = build(c, tempfile.mkdtemp(prefix="bench_demo_"))
     tasks = parts.family.task_ids(c.env.train_split)[:c.rollout.tasks_per_step]
-    schedule = [t for t in tasks for _ in range(c.rollout.group_size)]
-    played = expert_trajectories(rollout_runner(parts, "train"), schedule, max_rounds=c.env.max_rounds_train,
+    task_ids = [t for t in tasks for _ in range(c.rollout.group_size)]
+    played = expert_trajectories(rollout_runner(parts, "train"), task_ids, max_rounds=c.env.max_rounds_train,
                                  mistakes=c.warmstart.mistakes, dawdle=c.warmstart.dawdle, seed=c.seed)
     trajs = [dataclasses.replace(t, group_id=i // c.rollout.group_size, success=i % 2 == 0,
                                  score=float(i % 2 == 0)) for i, t in enumerate(played)]

@@ -30,9 +30,9 @@ near 1 means none does. A lockstep
 rollout (`sync=True`, no overlap by design) is reported as `sync_wall_s` for reference. Each time is
 the best of `repeats`, with the CPU time it took (`*_cpu_s`: this process and the environment
 workers with what they started, e.g. ScienceWorld's JVMs). Where decoding and the environments
-run on the same cores (a CPU-only machine), no schedule finishes before their CPU time over the
+run on the same cores (a CPU-only machine), no order of events finishes before their CPU time over the
 cores: `overlap_floor` is the overlap that bound allows (1.0 on an accelerator host, where the
-device decodes). The asynchronous schedule depends on timing, so it can reach sampler shapes
+device decodes). The asynchronous order depends on timing, so it can reach sampler shapes
 the warm-up did not: warm-up passes repeat until one compiles nothing, and `compile_s` reports
 XLA compilation inside the measured runs; a run that compiled is not used for its measurement
 unless every run of it did (then the measurement is listed in `unclean`).

@@ -34,7 +34,7 @@ def _run_experts(pool, episodes):
     return finals
 
 
-def test_batch_larger_than_slots_completes():
+def test_batch_larger_than_instances_completes():
     tids = FAM.task_ids("test")[:24]
     with EnvPool({"builtin": 2}, envs_per_worker=3) as pool:
         finals = _run_experts(pool, {f"ep{i}": t for i, t in enumerate(tids)})
@@ -59,7 +59,7 @@ def test_poll_does_not_block_and_results_carry_info():
         assert r.observation == INVALID and r.info["rounds"] == 1 and r.info["invalid"]
 
 
-def test_release_frees_the_slot_for_a_waiting_reset():
+def test_release_frees_the_instance_for_a_waiting_reset():
     a, b = FAM.task_ids("test")[:2]
     with EnvPool({"builtin": 1}, envs_per_worker=1) as pool:
         pool.submit_reset("a", "builtin", a)
@@ -181,7 +181,7 @@ def test_envs_never_import_jax_or_the_model():
                     assert node not in tree.body, (path.name, name)
 
 
-def test_release_withdraws_a_reset_still_waiting_for_a_slot():
+def test_release_withdraws_a_reset_still_waiting_for_an_instance():
     a, b = FAM.task_ids("test")[:2]
     with EnvPool({"builtin": 1}) as pool:
         pool.submit_reset("a", "builtin", a)

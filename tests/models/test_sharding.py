@@ -76,3 +76,33 @@ def test_logical_rules_drop_only_non_dividing_axes():
     assert shd.logical_to_spec(("vocab", "embed"), (5, 4), mesh) == P(None, "fsdp")
     with pytest.raises(KeyError):
         shd.logical_to_spec(("nonsense",), (4,), mesh)
+
+
+@pytest.mark.parametrize("tx", ["adamw", "adafactor"])
+def test_an_optimizer_state_is_laid_out_like_its_parameters_whatever_the_transform(tx):
+    """AdamW's moments take their parameter's layout (found by the path they end with); a factored
+    optimizer's statistics, shaped otherwise, are replicated instead of refused."""
+    import optax
+
+    from models import qwen
+
+    cfg = models.QwenConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                            num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e6,
+                            tie_word_embeddings=False, qkv_bias=False, qk_norm=True)
+    mesh = shd.make_mesh((1, 2, 4))
+
+    def build():
+        model = qwen.Qwen(cfg, rngs=nnx.Rngs(0), mesh=mesh)
+        return model, nnx.Optimizer(model, getattr(optax, tx)(1e-3), wrt=nnx.Param)
+
+    _, state = nnx.split(nnx.eval_shape(build))
+    layout = {qwen.param_path(p): s.spec for p, s in
+              jax.tree_util.tree_leaves_with_path(qwen.state_shardings(state, mesh))}
+    q_proj = layout["0/layers/q_proj"]
+    assert q_proj == P(None, "fsdp", "tp", None)
+    moments = [k for k in layout if k.startswith("1/") and k.endswith("/layers/q_proj")]
+    if tx == "adamw":
+        assert len(moments) == 2 and all(layout[k] == q_proj for k in moments)  # mu and nu
+    else:
+        assert all(layout[k] == P() for k in moments if len(layout[k]) != 4)
+        assert any(spec == P() for k, spec in layout.items() if k.startswith("1/"))

@@ -267,7 +267,7 @@ def test_multi_turn_extend_equals_prefilling_the_history(setup):
         np.testing.assert_allclose(turn2.logprobs[i], fresh.logprobs[i], atol=1e-5, rtol=0)
 
 
-def test_idle_rows_and_reused_slots_are_unaffected(setup):
+def test_idle_rows_and_reused_rows_are_unaffected(setup):
     _, _, cfg, sampler = setup
     prompts = _prompts(cfg.vocab_size, seed=7)
     ref = sampler.generate(sampler.start(prompts), max_new_tokens=16, greedy=True).tokens
@@ -276,7 +276,7 @@ def test_idle_rows_and_reused_slots_are_unaffected(setup):
     assert part.rows == [3, 1]
     np.testing.assert_array_equal(part.tokens[0], ref[3])
     np.testing.assert_array_equal(part.tokens[1], ref[1])
-    # a finished episode's slot starts a new one: row 3 restarts with row 0's prompt
+    # a finished episode's row starts a new one: row 3 restarts with row 0's prompt
     sampler.free(state, [3])
     sampler.start([prompts[0]], state=state)
     rest = sampler.generate(state, rows=[0, 2, 3], max_new_tokens=16, greedy=True).tokens

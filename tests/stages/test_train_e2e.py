@@ -107,7 +107,7 @@ def test_filtered_zero_variance_steps_refill_then_train_on_what_carries_signal(t
 
 
 def test_pool_gives_every_sampler_row_an_environment(tmp_path):
-    """env.envs_per_worker=0 sizes the pool to the sampler (3 workers, 8 rows: 3 slots each)."""
+    """env.envs_per_worker=0 sizes the pool to the sampler (3 workers, 8 rows: 3 instances each)."""
     from cope_jax.run.build import build
 
     c = tiny_config("grpo")
