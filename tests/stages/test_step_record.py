@@ -3,6 +3,7 @@ and a max over the step's optimizer steps is a max, a mean a mean."""
 import numpy as np
 import pytest
 
+from cope_jax.rollout.runner import RolloutStats
 from cope_jax.rollout.trajectory import Trajectory
 from cope_jax.run import metrics
 from cope_jax.stages.rl import _combine, _step_record
@@ -24,14 +25,13 @@ def test_tau2_overall_is_the_unweighted_mean_of_its_domains():
     assert counted["succ"] == pytest.approx(70 / 90)
 
 
-class _Stats:
-    generated_tokens, env_steps, wall_s, replays = 10, 5, 1.0, 0
-
-
 def test_the_step_record_reports_tau2_as_its_domain_mean():
     trajs = _episodes("retail", 40, True) + _episodes("airline", 20, False)
-    rec = _step_record(trajs, [], {}, [], _Stats(), [], 1.0, 1.0, Tau2Env.overall)
+    stats = RolloutStats(wall_s=1.0, generated_tokens=10, env_steps=5, decode_calls=4, rows_decoded=6,
+                         row_capacity=16, low_occupancy_s=0.25, host_wall_s=1.0)
+    rec = _step_record(trajs, [], {}, [], stats, [], 1.0, 1.0, Tau2Env.overall)
     assert rec["succ"] == pytest.approx(0.5)  # count-weighted would say 0.667
+    assert rec["rollout_occupancy"] == 6 / 16 and rec["rollout_low_occupancy_share"] == 0.25
 
 
 def test_a_max_is_a_max_and_a_mean_a_mean():
