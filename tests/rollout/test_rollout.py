@@ -34,10 +34,11 @@ def setup():
 
 
 class Recorder:
-    """Wraps a sampler and records what each generate call returned, per row."""
+    """Wraps a sampler and records what each generate call returned, per row, and when it ran."""
 
     def __init__(self, sampler):
         self.sampler, self.calls, self.events = sampler, [], []
+        self.spans = []  # per generate call: (start, end, rows)
         self.handed = []  # per generate call: the requests in the order their turns were handed over
         self.in_generate = False
 
@@ -57,39 +58,31 @@ class Recorder:
                 self.handed[-1].append(i)
                 on_finish(i, *a)
             kw["on_finish"] = recorded
-        self.in_generate = True
+        self.in_generate, t = True, time.perf_counter()
         try:
             out = self.sampler.generate(state, rows, *args, **kw)
         finally:
             self.in_generate = False
+            self.spans.append((t, time.perf_counter(), len(rows)))
         self.calls.append(out)
         self.events.append(("generate", len(rows)))
         return out
 
 
-class TimedRecorder(Recorder):
-    """A Recorder that also keeps when each generate call started and ended."""
-
-    def __init__(self, sampler):
-        super().__init__(sampler)
-        self.spans = []
-
-    def generate(self, state, rows, *args, **kw):
-        t = time.perf_counter()
-        try:
-            return super().generate(state, rows, *args, **kw)
-        finally:
-            self.spans.append((t, time.perf_counter(), len(rows)))
-
-
-@pytest.mark.parametrize("sync", [False, True])
-def test_occupancy_counts_each_call_and_the_tail_is_the_time_after_calls_under_half(setup, sync):
+def _six_episodes(setup, sync: bool):
+    """(recorder, runner, tasks, trajectories, stats) of 3 groups of 2 episodes on the 4-row sampler."""
     tok, chat, sampler, pool = setup
-    rec = TimedRecorder(sampler)
+    rec = Recorder(sampler)
     runner = RolloutRunner(rec, pool, "builtin", FAMILY, chat,
                            RolloutConfig(max_rounds=3, max_turn_tokens=6, sync=sync))
     tasks = [(t, g) for g, t in enumerate(FAMILY.task_ids("train")[:3]) for _ in range(2)]  # 6 > 4 rows
     trajs, stats = runner.run(tasks, jax.random.key(3))
+    return rec, runner, tasks, trajs, stats
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_occupancy_counts_each_call_and_the_tail_is_the_time_after_calls_under_half(setup, sync):
+    rec, runner, tasks, trajs, stats = _six_episodes(setup, sync)
     assert stats.decode_calls == len(rec.spans) > 0
     assert stats.rows_decoded == sum(n for _, _, n in rec.spans) == sum(len(t.action_spans) for t in trajs)
     assert stats.row_capacity == 4 * len(rec.spans)
@@ -113,12 +106,8 @@ def test_occupancy_counts_each_call_and_the_tail_is_the_time_after_calls_under_h
 
 @pytest.mark.parametrize("sync", [False, True])
 def test_trajectories_hold_exactly_the_sampled_ids(setup, sync):
-    tok, chat, sampler, pool = setup
-    rec = Recorder(sampler)
-    runner = RolloutRunner(rec, pool, "builtin", FAMILY, chat,
-                           RolloutConfig(max_rounds=3, max_turn_tokens=6, sync=sync))
-    tasks = [(t, g) for g, t in enumerate(FAMILY.task_ids("train")[:3]) for _ in range(2)]  # 6 > 4 rows
-    trajs, stats = runner.run(tasks, jax.random.key(3))
+    tok = setup[0]
+    rec, _, _, trajs, stats = _six_episodes(setup, sync)
     assert len(trajs) == 6 and stats.generated_tokens > 0
     sampled = sorted(tuple(t.tolist()) for call in rec.calls for t in call.tokens)
     in_trajs = []
