@@ -54,17 +54,25 @@ class Probe:
 
     def __init__(self, pool):
         self.pool, self.waits = pool, 0
+        self.signaller = None  # looks for its moment after each wait too, once armed
 
     def __getattr__(self, name):
         return getattr(self.pool, name)
 
     def poll(self, timeout=0.0):
         self.waits += timeout != 0.0
-        return self.pool.poll(timeout)
+        return self._looked(self.pool.poll(timeout))
 
     def wait_all(self, timeout=None):
         self.waits += 1
-        return self.pool.wait_all(timeout)
+        return self._looked(self.pool.wait_all(timeout))
+
+    def _looked(self, results):
+        # a moment that lasts only while the runner decodes (a worker holding idle episodes) is seen
+        # for sure here, between a wait and the decode, where the signaller's thread may miss it
+        if self.signaller is not None:
+            self.signaller.look()
+        return results
 
 
 def _workers(pool):
@@ -98,28 +106,33 @@ CONDITIONS = {  # moment -> whether a worker (its `_workers` row) is in it
 class Signaller(threading.Thread):
     """Sends `sig` to the first worker found in `moment`; for replacement_starting, SIGKILLs the first
     worker with a step in flight, then sends `sig` to its replacement while that one starts. Records
-    every worker pid it saw."""
+    every worker pid it saw. Its thread looks every 5 ms; `look` is also called from the runner's
+    thread (`Probe`)."""
 
     def __init__(self, pool, moment, sig):
         super().__init__(daemon=True)
-        self.pool, self.moment, self.sig = pool, moment, sig
-        self.seen, self.hit, self.stop = set(), [], threading.Event()
+        self.pool, self.seen, self.hit, self.stop = pool, set(), [], threading.Event()
+        self.steps = [("step_in_flight", signal.SIGKILL), ("starting", sig)] \
+            if moment == "replacement_starting" else [(moment, sig)]
+        self.lock = threading.Lock()
+
+    def look(self) -> None:
+        """One look at the workers: signals the first one in the next step's moment."""
+        with self.lock:
+            workers = _workers(self.pool)
+            self.seen.update(w[0] for w in workers)
+            if not self.steps:
+                return
+            moment, sig = self.steps[0]
+            target = next((w for w in workers if w[0] not in self.hit and CONDITIONS[moment](w)), None)
+            if target is not None:
+                os.kill(target[0], sig)
+                self.hit.append(target[0])
+                self.steps.pop(0)
 
     def run(self):
-        steps = [("step_in_flight", signal.SIGKILL), ("starting", self.sig)] \
-            if self.moment == "replacement_starting" else [(self.moment, self.sig)]
-        for moment, sig in steps:
-            while not self.stop.is_set():
-                workers = _workers(self.pool)
-                self.seen.update(w[0] for w in workers)
-                target = next((w for w in workers if w[0] not in self.hit and CONDITIONS[moment](w)), None)
-                if target is not None:
-                    os.kill(target[0], sig)
-                    self.hit.append(target[0])
-                    break
-                time.sleep(0.005)
-        while not self.stop.wait(0.02):
-            self.seen.update(w[0] for w in _workers(self.pool))
+        while not self.stop.wait(0.005):
+            self.look()
 
 
 def _alive(pid) -> bool:
@@ -153,8 +166,13 @@ def test_a_worker_lost_at_any_moment_costs_a_replay_never_a_hang(parts, monkeypa
         runner = RolloutRunner(sampler, probe, "chaos", FAMILY, chat,
                                RolloutConfig(max_rounds=2, max_turn_tokens=4, sync=sync))
         signaller = Signaller(pool, "idle_episodes" if moment == "between_rollouts" else moment, sig)
-        if moment != "between_rollouts":
+
+        def arm():
             signaller.start()
+            probe.signaller = signaller
+
+        if moment != "between_rollouts":
+            arm()
         # the next batch's resets are prefetched where the moment is between two rollouts (elsewhere
         # the worker hit might hold only those, and this batch would lose nothing)
         first, stats = runner.run(batch, jax.random.key(0), prefetch=batch if moment == "between_rollouts" else ())
@@ -162,7 +180,7 @@ def test_a_worker_lost_at_any_moment_costs_a_replay_never_a_hang(parts, monkeypa
             deadline = time.monotonic() + 5
             while pool.can_progress() and time.monotonic() < deadline:
                 pool._pump(0.05)  # the answers wait in the pool for the next run
-            signaller.start()
+            arm()
             while not signaller.hit and time.monotonic() < deadline:
                 time.sleep(0.01)
             second, more = runner.run(batch, jax.random.key(1))
@@ -210,10 +228,12 @@ def test_replays_are_not_starved_by_the_next_batchs_prefetched_resets(parts, har
     tasks = FAMILY.task_ids("train")
     batch = [(tasks[i // 2], i // 2) for i in range(4)]
     with EnvPool({"chaos": 2}, envs_per_worker=2, call_timeout=CALL_TIMEOUT, specs=SPECS) as pool:
-        runner = RolloutRunner(sampler, pool, "chaos", FAMILY, chat,
+        probe = Probe(pool)
+        runner = RolloutRunner(sampler, probe, "chaos", FAMILY, chat,
                                RolloutConfig(max_rounds=2, max_turn_tokens=4, sync=sync))
         signaller = Signaller(pool, "idle_episodes", signal.SIGKILL)
         signaller.start()
+        probe.signaller = signaller
         trajs, stats = runner.run(batch, jax.random.key(0), prefetch=batch)
         signaller.stop.set()
         signaller.join()
