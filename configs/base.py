@@ -71,6 +71,11 @@ def base_config(method: str = "cope") -> ml_collections.ConfigDict:
         # episodes ended by environment faults (crash, hang, exception) leave the batch; a step or an
         # evaluation where more than this fraction of its episodes faulted stops the run instead
         max_fault_fraction=0.25,
+        # partial rollouts (docs/training.md): `groups_in_flight` groups play at once (0: twice
+        # tasks_per_step), a step's rollout ends once tasks_per_step of them are complete and parks
+        # the others' episodes for the next step; an episode more than `max_staleness` policy versions
+        # behind is dropped with its group. Needs train.rollout_correction ('tis' or 'mis')
+        partial=False, groups_in_flight=0, max_staleness=4,
     ))
     c.train = ml_collections.ConfigDict(dict(
         steps=100, learning_rate=1e-6, weight_decay=0.01, clip_norm=1.0, b1=0.9, b2=0.999,

@@ -49,6 +49,10 @@ class PlayedEpisode:
     env_key: object = None  # the pool's episode key
     in_env: bool = False  # a reset or step of this episode is at the pool
     replays: int = 0  # times it was started again after its worker was lost (runner.py)
+    versions: list[int] = dataclasses.field(default_factory=list)  # the policy version of each sampled turn
+    # a parked episode whose environment is gone is caught up (runner.py): its environment is reset and
+    # given its recorded actions again; this counts the results of that replay checked so far (-1: not)
+    caught: int = -1
 
     def restart(self) -> None:
         """Back to before its reset (a replay): everything played is dropped, `replays` counts one
@@ -73,14 +77,16 @@ class PlayedEpisode:
             self.observation_spans.append(span)
         self.add(turn.ids[turn.content_end:])
 
-    def add_sampled(self, tokens: Sequence[int], logprobs: Sequence[float]) -> int:
-        """Appends a sampled turn (already in the sampler's row); returns where it starts."""
+    def add_sampled(self, tokens: Sequence[int], logprobs: Sequence[float], version: int = 0) -> int:
+        """Appends a turn sampled by policy `version` (already in the sampler's row); returns where
+        it starts."""
         toks = [int(t) for t in tokens]
         start = len(self.tokens)
         self.tokens.extend(toks)
         self.action_mask.extend([True] * len(toks))
         self.obs_mask.extend([False] * len(toks))
         self.sampler_logp.extend(float(x) for x in logprobs)
+        self.versions.append(int(version))
         return start
 
 
@@ -136,7 +142,7 @@ class EpisodeLayout:
             success=ep.success, task_id=ep.task_id, group_id=ep.group_id, family=self.family_name,
             finish_reason=ep.finish_reason,
             metadata={"replies": ep.replies, "env": ep.env_info, "replays": ep.replays,
-                      "task_family": self.family.task_family(ep.task_id)})
+                      "task_family": self.family.task_family(ep.task_id), "versions": list(ep.versions)})
 
 
 def scripted_trajectory(layout: EpisodeLayout, task_id: int, group_id: int, observations: Sequence[str],

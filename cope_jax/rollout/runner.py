@@ -32,6 +32,7 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
+from cope_jax.rollout import parking
 from cope_jax.rollout.chat import ChatFormat
 from cope_jax.rollout.episode import EpisodeLayout, PlayedEpisode
 from cope_jax.rollout.sampler import Sampler, SamplerState
@@ -111,15 +112,17 @@ class RolloutRunner:
         self.sampler, self.pool, self.family_name, self.family = sampler, pool, family_name, family
         self.chat, self.cfg = chat, cfg
         self.layout = EpisodeLayout(chat, family_name, family)
+        self._version = 0  # the policy version of this run's turns
         self._generate_s = 0.0  # running mean of a generate call's time (0: none yet)
         self._ahead: dict[tuple[int, int, int], object] = {}  # prefetched (task, group, id) -> env key
         self._early: dict[object, object] = {}  # env key -> its reset result, arrived before its run
         self._last_call: tuple[float, bool] | None = None  # (start, under half the rows) of this run's last call
+        self.parked: list[PlayedEpisode] = []  # partial rollouts: the episodes the next run continues first
 
     def run(self, tasks: Sequence[tuple[int, int]], key: jax.Array, *,
             episode_ids: Sequence[int] | None = None, prefetch: Sequence[tuple[int, int]] = (),
-            prefetch_ids: Sequence[int] | None = None, on_progress: Callable[[int], None] | None = None
-            ) -> tuple[list[Trajectory], RolloutStats]:
+            prefetch_ids: Sequence[int] | None = None, on_progress: Callable[[int], None] | None = None,
+            complete_groups: int = 0, version: int = 0) -> tuple[list[Trajectory], RolloutStats]:
         """Plays one episode per (task_id, group_id); returns trajectories in input order.
 
         Turn j of episode i samples with fold_in(fold_in(key, episode_ids[i]), j) (default ids:
@@ -133,25 +136,40 @@ class RolloutRunner:
         releases the others. Until then the pool must serve no other runner.
 
         on_progress(ended): called as episodes end, with how many have (a progress bar's hook).
+
+        complete_groups > 0 (partial rollouts, `cope_jax/rollout/parking.py`): the parked episodes
+        continue first, before the new ones, and the run ends once that many groups have every
+        episode ended; it returns those groups' trajectories (parked ones first) and parks the
+        others' episodes. `version` is the policy version each turn sampled in this run records.
+        Episode ids must then be unique across runs: a parked episode keeps its id.
         """
         stats = RolloutStats()
         t_start = time.perf_counter()
         state = self.sampler.init_state()
         self._last_call = None
-        episodes = self._episodes(tasks, episode_ids)
+        self._version = int(version)
+        fresh = self._episodes(tasks, episode_ids)
         ahead_ids = range(len(prefetch)) if prefetch_ids is None else [int(u) for u in prefetch_ids]
         if len(ahead_ids) != len(prefetch):
             raise ValueError(f"{len(ahead_ids)} prefetch_ids for {len(prefetch)} episodes")
         if len(set(ahead_ids)) != len(ahead_ids):
             raise ValueError("prefetch_ids repeat an id")
-        by_key, early = self._submit_resets(episodes)
+        parked, self.parked = self.parked, []
+        episodes = parked + fresh
+        for i, ep in enumerate(episodes):
+            ep.index = i
+        by_key, need_row = self._continue(parked)
+        fresh, early = self._submit_resets(episodes[len(parked):])
+        by_key |= fresh
         self.cancel_prefetch()  # what is left was prefetched for a batch that did not come
         for (t, g), u in zip(prefetch, ahead_ids):  # the next batch's resets
             env_key = (id(self), "ahead", u, time.perf_counter_ns())
             self._ahead[(int(t), int(g), u)] = env_key
             self.pool.submit_reset(env_key, self.family_name, int(t), max_rounds=self.cfg.max_rounds)
         try:
-            self._play(episodes, by_key, early, state, key, stats, on_progress)
+            self._play(episodes, by_key, early, need_row, state, key, stats, on_progress, complete_groups)
+            if complete_groups:
+                episodes = self._park(episodes, state)
             if on_progress is not None:
                 on_progress(len(episodes))
         except BaseException:
@@ -175,6 +193,72 @@ class RolloutRunner:
             self._early.pop(env_key, None)
         self._ahead = {}
 
+    def release_parked(self) -> None:
+        """Gives the parked episodes' environments back to the pool (e.g. before another runner uses
+        it); the next run catches them up (`cope_jax/rollout/parking.py`)."""
+        for ep in self.parked:
+            if ep.env_key is not None and not ep.done:
+                self.pool.release(ep.env_key)
+            ep.env_key, ep.in_env = None, False
+
+    def drop_parked(self, groups: Sequence[int]) -> list[PlayedEpisode]:
+        """Removes the parked episodes of `groups` (never trained: too stale) and frees their
+        environments; returns them."""
+        dropped = [ep for ep in self.parked if ep.group_id in set(groups)]
+        self.parked = [ep for ep in self.parked if ep.group_id not in set(groups)]
+        for ep in dropped:
+            if ep.env_key is not None and not ep.done:
+                self.pool.release(ep.env_key)
+        return dropped
+
+    def _park(self, episodes: list[PlayedEpisode], state: SamplerState) -> list[PlayedEpisode]:
+        """Parks the episodes of the groups not complete; returns the others (their groups are)."""
+        complete = set(parking.complete_groups(episodes))
+        for ep in episodes:
+            if ep.group_id in complete:
+                continue
+            if ep.row is not None:
+                self.sampler.free(state, [ep.row])
+                ep.row = None
+            ep.to_prefill = list(ep.tokens)  # the next run prefills it again, under its weights
+            self.parked.append(ep)
+        return [ep for ep in episodes if ep.group_id in complete]
+
+    def _continue(self, parked: list[PlayedEpisode]) -> tuple[dict, list]:
+        """Continues parked episodes -> (env key -> episode, the ones waiting for a row). One whose
+        environment is gone is caught up: reset, then given its recorded actions (`_catch_up`)."""
+        by_key, need_row = {}, []
+        for ep in parked:
+            if ep.done:
+                continue
+            if ep.env_key is None:
+                ep.caught, ep.in_env = 0, True
+                ep.env_key = (id(self), "continue", ep.uid, time.perf_counter_ns())
+                self.pool.submit_reset(ep.env_key, self.family_name, ep.task_id, max_rounds=self.cfg.max_rounds)
+            elif not ep.in_env:
+                need_row.append(ep)
+            by_key[ep.env_key] = ep
+        return by_key, need_row
+
+    def _catch_up(self, ep: PlayedEpisode, r, need_row: list) -> bool | None:
+        """A result of a parked episode being caught up: True if it is the recorded one (the next
+        recorded action is submitted, or the episode waits for a row), False if it is not (the
+        environment does not replay), None past the record (a new result: handled as usual)."""
+        j = ep.caught
+        if j == len(ep.observations):
+            ep.caught = -1
+            return None
+        if not r.ok or r.done or r.observation != ep.observations[j]:
+            return False
+        ep.caught = j + 1
+        if j < len(ep.actions):
+            ep.in_env = True
+            self.pool.submit_step(ep.env_key, ep.actions[j])
+        else:
+            ep.caught = -1
+            need_row.append(ep)
+        return True
+
     def _episodes(self, tasks: Sequence[tuple[int, int]], episode_ids) -> list[PlayedEpisode]:
         uids = range(len(tasks)) if episode_ids is None else [int(u) for u in episode_ids]
         if len(uids) != len(tasks):
@@ -197,17 +281,17 @@ class RolloutRunner:
         return by_key, early
 
     # -- the loop ----------------------------------------------------------------------------------
-    def _play(self, episodes, by_key, early, state, key, stats, on_progress) -> None:
-        """Plays the episodes until every one has ended."""
+    def _play(self, episodes, by_key, early, need_row, state, key, stats, on_progress, complete_groups) -> None:
+        """Plays the episodes until every one has ended, or `complete_groups` groups have (> 0).
+        need_row: the episodes waiting for a sampler row (o_0 or a parked episode's observation)."""
         cfg = self.cfg
         upcoming = set(self._ahead.values())
-        need_row: list[PlayedEpisode] = []  # got o_0, waiting for a sampler row
         ready: list[PlayedEpisode] = []  # row holds everything up to a generation prompt
-        live = len(episodes)
+        live = sum(not ep.done for ep in episodes)
         hold = 0.0  # seconds the ready episodes still wait for results to join their batch
         ready_since = None
         quiet_since = time.monotonic()  # the last result or decode round
-        while live:
+        while live and not (complete_groups and len(parking.complete_groups(episodes)) >= complete_groups):
             if on_progress is not None:
                 on_progress(len(episodes) - live)  # episodes ended so far (a progress bar)
             results = self._collect(hold, bool(ready or need_row), upcoming)
@@ -223,7 +307,10 @@ class RolloutRunner:
                 ep = by_key[r.env_key]
                 ep.in_env = False
                 stats.env_steps += r.kind == "step"
-                if not r.ok and r.error in REPLAYED and ep.replays < cfg.max_replays:
+                caught = self._catch_up(ep, r, need_row) if ep.caught >= 0 else None
+                if caught:
+                    continue
+                if caught is False or (not r.ok and r.error in REPLAYED and ep.replays < cfg.max_replays):
                     by_key[self._replay(ep, state, need_row, ready)] = ep
                     stats.replays += 1
                     continue
@@ -414,7 +501,7 @@ class RolloutRunner:
                     stats: RolloutStats) -> int:
         """Records a finished turn and submits its action; returns 1 if the episode ended."""
         stats.generated_tokens += len(tokens)
-        start = ep.add_sampled(tokens, logprobs)
+        start = ep.add_sampled(tokens, logprobs, self._version)
         closed = len(tokens) > 0 and ep.tokens[-1] == self.layout.im_end
         content_end = len(ep.tokens) - int(closed)
         ep.action_spans.append((start, content_end))

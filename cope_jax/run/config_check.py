@@ -80,6 +80,7 @@ RULES: dict[str, Range | OneOf] = {
     "rollout.temperature": NONNEG, "rollout.top_p": Range(0, 1, whole=False), "rollout.top_k": SIZE,
     "rollout.max_len": Range(2), "rollout.max_prompt_len": SIZE, "rollout.max_response_len": SIZE,
     "rollout.sampler_rows": SIZE, "rollout.stream_every": COUNT, "rollout.max_fault_fraction": FRACTION,
+    "rollout.groups_in_flight": SIZE, "rollout.max_staleness": SIZE,
     "train.steps": SIZE, "train.learning_rate": NONNEG, "train.weight_decay": NONNEG,
     "train.clip_norm": NONNEG, "train.b1": Range(0, 1, whole=False), "train.b2": Range(0, 1, whole=False),
     "train.lr_warmup_steps": SIZE, "train.minibatch_tasks": COUNT, "train.row_len": COUNT,
@@ -134,9 +135,26 @@ def _cross_field(c: ml_collections.ConfigDict) -> None:
         run_config.optimizer_config(c)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    _partial(c)
     if c.train.zero_variance != "keep" and spec.advantage is None:
         raise ConfigError(f"train.zero_variance={c.train.zero_variance!r}: method {c.method!r} has no group-relative "
                           f"advantage, so no group is without signal (use 'keep')")
+
+
+def _partial(c: ml_collections.ConfigDict) -> None:
+    """Partial rollouts train on tokens of older policies: they need the rollout correction, and
+    the zero-variance filter's refill rounds would play groups outside the in-flight ones."""
+    r = c.rollout
+    if not r.partial:
+        return
+    if c.train.rollout_correction == "none":
+        raise ConfigError("rollout.partial trains on tokens sampled by older policies: set "
+                          "train.rollout_correction to 'tis' or 'mis' (docs/training.md)")
+    if c.train.zero_variance == "filter":
+        raise ConfigError("rollout.partial with train.zero_variance='filter' is not supported: use 'keep'")
+    if r.groups_in_flight and r.groups_in_flight < r.tasks_per_step:
+        raise ConfigError(f"rollout.groups_in_flight={r.groups_in_flight} is under rollout.tasks_per_step="
+                          f"{r.tasks_per_step}: a step could never complete its groups")
 
 
 def flat(c: ml_collections.ConfigDict | dict) -> dict[str, Any]:

@@ -42,6 +42,7 @@ from cope_jax.run.progress import Bar, say
 from cope_jax.stages.evaluate import evaluate, evaluate_once
 from cope_jax.rollout.runner import RolloutStats
 from cope_jax.stages.loop import learn, rollout, rollout_runner, step_loop
+from cope_jax.stages.partial import PartialRollouts, staleness
 from cope_jax.train.train_step import Learner
 
 RESUME_MODES = ("latest", "latest_valid")  # train(resume=...): see resume_from
@@ -61,8 +62,9 @@ def train(parts: Components, progress: bool = True, resume: str = "latest") -> d
         ref_model = models.qwen.base_view(parts.model)
     tasks = _TaskBatches(parts)
     ckpt = TrainCheckpointer(os.path.join(parts.workdir, CHECKPOINT_DIR), keep=c.checkpoint.keep)
-    start, base_key = _restore(parts, ckpt, learner, tasks, resume)
     train_runner = rollout_runner(parts, "train")
+    partial = PartialRollouts(parts, train_runner, tasks) if c.rollout.partial else None
+    start, base_key = _restore(parts, ckpt, learner, tasks, resume, partial)
     refill_rounds = int(c.train.refill_rounds)  # the cap of zero_variance='filter'
     bar = Bar(start, c.train.steps, enabled=progress and parts.is_main)
     summary: dict[str, Any] = {}
@@ -74,6 +76,8 @@ def train(parts: Components, progress: bool = True, resume: str = "latest") -> d
         summary = evaluate_once(parts, start) or summary
 
     def step(i: int) -> dict[str, float]:
+        if partial is not None:
+            return partial_step(i)
         t0 = time.time()
         schedule = _schedule(c, i, tasks.take())
         # the next batch's environments reset during this one, unless an evaluation (another
@@ -96,11 +100,27 @@ def train(parts: Components, progress: bool = True, resume: str = "latest") -> d
                               parts.family.overall)
         return record | faults.record() | refill
 
+    def partial_step(i: int) -> dict[str, float]:
+        t0 = time.time()
+        played, rstats, counts = partial.step(i, jax.random.fold_in(base_key, i), last=i + 1 == c.train.steps)
+        trajs, faults = faults_lib.drop(played, parts.max_fault_fraction, what=f"step {i + 1}")
+        t1 = time.time()
+        examples = build_examples(trajs, parts.chat, parts.forecast_cfg) if parts.forecast_cfg else []
+        metrics, host, mbs = learn(parts, learner, parts.loss_cfg, parts.spec, trajs, examples,
+                                   groups_per_minibatch=c.train.minibatch_tasks, ref_model=ref_model)
+        record = _step_record(played, metrics, host, examples, rstats, mbs, t1 - t0, time.time() - t1,
+                              parts.family.overall)
+        trained = float(len({t.group_id for t in trajs}))
+        return record | faults.record() | counts | {"groups_trained": trained} | staleness(trajs, i)
+
     def after(n: int) -> None:
         nonlocal summary
         if n % c.checkpoint.every == 0 or n == c.train.steps:
-            ckpt.save(n, _state(parts, learner, base_key), data_state=tasks.state, config=json.loads(c.to_json()))
+            data_state = tasks.state if partial is None else {"tasks": tasks.state, "partial": partial.state()}
+            ckpt.save(n, _state(parts, learner, base_key), data_state=data_state, config=json.loads(c.to_json()))
         if evaluates(n):
+            if partial is not None:
+                partial.release()  # the evaluation's runner uses the pool; the parked episodes catch up after
             summary = evaluate(parts, n)
             bar.note(f"eval step {n}: succ {summary['succ']:.3f} score {summary['score']:.3f}")
 
@@ -152,21 +172,28 @@ def _schedule(c, step: int, task_ids: list[int]) -> list[tuple[int, int]]:
 class _TaskBatches:
     """Each step's train task ids, from a seeded grain iterator whose state the checkpoints keep.
     `peek` draws the next step's ahead of it (to reset its environments early); `state` is the
-    iterator's state after the batch `take` returned last."""
+    iterator's state after the batch `take` returned last. Under `rollout.partial` a step takes
+    as many tasks as it starts groups: the iterator draws one task at a time."""
 
     def __init__(self, parts: Components):
         c = parts.config
         ids = parts.family.task_ids(c.env.train_split)
-        ds = (grain.MapDataset.source(list(ids)).shuffle(seed=c.seed).repeat()
-              .batch(c.rollout.tasks_per_step).to_iter_dataset())
-        self._it = iter(ds)
+        # a finite repeat (the same order as an endless one): grain cannot take the length of an
+        # endless dataset batched by 1
+        ds = grain.MapDataset.source(list(ids)).shuffle(seed=c.seed).repeat(num_epochs=2**62 // len(ids))
+        self.batch = 1 if c.rollout.partial else c.rollout.tasks_per_step
+        self._it = iter(ds.batch(self.batch).to_iter_dataset())
         self._peeked = None  # the next step's task ids and the state after them, when drawn ahead
         self.state = None
 
-    def take(self) -> list[int]:
-        if self._peeked is None:
-            self._peeked = self._draw()
-        (ids, self.state), self._peeked = self._peeked, None
+    def take(self, batches: int = 1) -> list[int]:
+        """The next `batches` batches' task ids, concatenated."""
+        ids = []
+        for _ in range(batches):
+            if self._peeked is None:
+                self._peeked = self._draw()
+            (got, self.state), self._peeked = self._peeked, None
+            ids += got
         return ids
 
     def peek(self) -> list[int]:
@@ -192,9 +219,10 @@ def trained_params(model):
 
 
 def _restore(parts: Components, ckpt: TrainCheckpointer, learner: Learner, tasks: _TaskBatches,
-             resume: str) -> tuple[int, Any]:
+             resume: str, partial: PartialRollouts | None) -> tuple[int, Any]:
     """-> (the first step to run, the run's base RNG key): restored from the newest readable checkpoint
-    into the policy, optimizer and task iterator, or 0 and the seed's key in a run without checkpoints."""
+    into the policy, optimizer, task iterator and parked episodes, or 0 and the seed's key in a run
+    without checkpoints."""
     base_key = distributed.replicate(jax.random.key(parts.config.seed), parts.mesh)
     try:
         restored = resume_from(ckpt, _state(parts, learner, base_key), resume, parts.is_main)
@@ -206,7 +234,19 @@ def _restore(parts: Components, ckpt: TrainCheckpointer, learner: Learner, tasks
     start, state, data_state, _ = restored
     nnx.update(parts.model, state["params"])
     nnx.update(learner.optimizer, state["optimizer"])
-    tasks.restore(data_state)
+    if partial is None:
+        if "partial" in data_state:
+            raise CheckpointError(f"checkpoint step {start} was written with rollout.partial: its parked episodes "
+                                  "would be lost (resume it with rollout.partial=True)")
+        tasks.restore(data_state)
+        return start, state["rng"]
+    if "partial" not in data_state:
+        raise CheckpointError(f"checkpoint step {start} was written without rollout.partial: its data state has "
+                              "no parked episodes (resume it with rollout.partial=False)")
+    tasks.restore(data_state["tasks"])
+    restarted = partial.restore(data_state["partial"])
+    if restarted:
+        say(f"{restarted} parked episodes start again from their reset: the rollout settings changed", parts.is_main)
     return start, state["rng"]
 
 
