@@ -71,6 +71,9 @@ flags.DEFINE_float("rollout_update_s", 1.0,
 flags.DEFINE_float("rollout_turn_end", 0.08,
                    "Random policy only: the fraction of the vocabulary that ends a turn, so turns end at "
                    "uneven lengths as a trained policy's do (0: every turn runs to --rollout_turn_tokens).")
+flags.DEFINE_integer("rollout_partial_steps", 0, "Training steps of the partial-rollouts comparison "
+                     "(the `measure: partial` line; 0: not measured).")
+flags.DEFINE_integer("rollout_group_size", 4, "Episodes per group (one task) in the partial-rollouts comparison.")
 FLAGS = flags.FLAGS
 
 MAX_LEN = 4096
@@ -211,23 +214,30 @@ def _tasks(family, n: int) -> list[tuple[int, int]]:
     return [(int(ids[(i * step) % len(ids)]), i) for i in range(n)]
 
 
-def measure(family_name: str, model, tokenizer, style: str, eos_ids) -> dict:
+def _parts(family_name: str, model, tokenizer, style: str, eos_ids):
+    """(family, chat format, sampler, rollout config) of a family's measurements."""
     from cope_jax.rollout.chat import ChatFormat
-    from cope_jax.rollout.runner import RolloutConfig, RolloutRunner
+    from cope_jax.rollout.runner import RolloutConfig
     from cope_jax.rollout.sampler import Sampler
-    from envs.pool import EnvPool
     from envs.registry import make_family
 
-    workers, instances = FLAGS.rollout_workers, FLAGS.rollout_envs_per_worker
-    family = make_family(family_name)
-    chat = ChatFormat(tokenizer, style)
-    schedule = _tasks(family, FLAGS.rollout_episodes)
-    rows = FLAGS.rollout_rows or workers * instances
+    rows = FLAGS.rollout_rows or FLAGS.rollout_workers * FLAGS.rollout_envs_per_worker
     sampler = Sampler(model, batch_size=rows, max_len=MAX_LEN, eos_ids=eos_ids)
     cfg = RolloutConfig(max_rounds=FLAGS.rollout_rounds, max_turn_tokens=FLAGS.rollout_turn_tokens,
                         temperature=1.0)
     if FLAGS.rollout_stream_every:
         cfg = dataclasses.replace(cfg, stream_every=FLAGS.rollout_stream_every)
+    return make_family(family_name), ChatFormat(tokenizer, style), sampler, cfg
+
+
+def measure(family_name: str, model, tokenizer, style: str, eos_ids) -> dict:
+    from cope_jax.rollout.runner import RolloutRunner
+    from envs.pool import EnvPool
+
+    workers, instances = FLAGS.rollout_workers, FLAGS.rollout_envs_per_worker
+    family, chat, sampler, cfg = _parts(family_name, model, tokenizer, style, eos_ids)
+    schedule = _tasks(family, FLAGS.rollout_episodes)
+    rows = sampler.batch_size
     key = jax.random.key(0)
     best: dict[str, tuple[float, float]] = {}  # measurement -> (seconds, CPU seconds) of its best run
     compiled: dict[str, tuple[float, float]] = {}  # the same among runs that compiled
@@ -302,10 +312,99 @@ def _line(fields: dict, best: dict, compiled: dict, compile_s: float) -> dict:
     return out
 
 
+def play_steps(runner, task_ids: list[int], key, partial: bool):
+    """`--rollout_partial_steps` training steps' rollouts on a fresh `runner` -> (trained episodes,
+    groups started, the runs' stats summed). A step trains tasks_per_step groups (group g: task
+    task_ids[g], episode ids g * group_size + member). Off: that many new groups, played to the end.
+    On: as `PartialRollouts.step` plays them, with groups_in_flight = 2 x tasks_per_step."""
+    from cope_jax.rollout.runner import RolloutStats
+
+    size, steps = FLAGS.rollout_group_size, FLAGS.rollout_partial_steps
+    per_step = FLAGS.rollout_episodes // size
+    started, trained, parts = 0, 0, []
+    for step in range(steps):
+        last = step == steps - 1
+        want = per_step
+        if partial:  # top the parked groups up; the last step tops up to what it trains, and drains
+            parked = len({ep.group_id for ep in runner.parked})
+            want = max(0, (per_step if last else 2 * per_step) - parked)
+        groups = range(started, started + want)
+        started += want
+        tasks = [(task_ids[g % len(task_ids)], g) for g in groups for _ in range(size)]
+        uids = [g * size + m for g in groups for m in range(size)]
+        trajs, stats = runner.run(tasks, key, episode_ids=uids, version=step,
+                                  complete_groups=per_step if partial and not last else 0)
+        trained += len(trajs)
+        parts.append(stats)
+    return trained, started, RolloutStats.combined(parts)
+
+
+def measure_partial(family_name: str, model, tokenizer, style: str, eos_ids) -> dict:
+    """The `measure: partial` line (module docstring): partial rollouts off and on, same sampler
+    and pool, each mode's best repeat."""
+    from cope_jax.rollout.runner import RolloutRunner
+    from envs.pool import EnvPool
+
+    family, chat, sampler, cfg = _parts(family_name, model, tokenizer, style, eos_ids)
+    task_ids = [int(t) for t in family.task_ids("test")]
+    key = jax.random.key(0)
+    runs: dict[str, list] = {"off": [], "on": []}
+    with EnvPool({family_name: FLAGS.rollout_workers}, envs_per_worker=FLAGS.rollout_envs_per_worker) as pool:
+        def play(partial: bool) -> tuple:
+            runner = RolloutRunner(sampler, pool, family_name, family, chat, cfg)
+            before = _COMPILE["s"]
+            out = play_steps(runner, task_ids, key, partial)
+            return (*out, _COMPILE["s"] - before)
+
+        for _ in range(WARMUP_PASSES):  # compiles the shapes both modes reach
+            if not play(False)[3] + play(True)[3]:
+                break
+        for _ in range(FLAGS.rollout_repeats):
+            for mode in runs:
+                runs[mode].append(play(mode == "on"))
+    family.close()
+    fields = {"suite": "rollout", "family": family_name, "measure": "partial", "steps": FLAGS.rollout_partial_steps,
+              "group_size": FLAGS.rollout_group_size, "tasks_per_step": FLAGS.rollout_episodes // FLAGS.rollout_group_size,
+              "groups_in_flight": 2 * (FLAGS.rollout_episodes // FLAGS.rollout_group_size), "rows": sampler.batch_size,
+              "workers": FLAGS.rollout_workers, "envs_per_worker": FLAGS.rollout_envs_per_worker,
+              "rounds": FLAGS.rollout_rounds, "turn_end": FLAGS.rollout_turn_end}
+    return _partial_line(fields, runs)
+
+
+def _partial_line(fields: dict, runs: dict[str, list]) -> dict:
+    """`fields` and each mode's best repeat (least wall time per trained episode, among the repeats
+    that compiled nothing if any did), and the speed-up."""
+    out, unclean = dict(fields), []
+    for mode, repeats in runs.items():
+        clean = [r for r in repeats if not r[3]]
+        unclean += [] if clean else [mode]
+        trained, started, stats, compile_s = min(clean or repeats, key=lambda r: r[2].host_wall_s / r[0])
+        wall = stats.host_wall_s  # the runs' walls summed (`RolloutStats.combined`)
+        out.update({f"{mode}_wall_s": _seconds(wall), f"{mode}_episodes": trained, f"{mode}_groups": started,
+                    f"{mode}_per_episode_s": _seconds(wall / trained), f"{mode}_occupancy": round(stats.occupancy, 3),
+                    f"{mode}_low_occupancy_share": round(stats.low_occupancy_share, 3),
+                    f"{mode}_env_steps": stats.env_steps, f"{mode}_gen_tokens": stats.generated_tokens,
+                    f"{mode}_compile_s": round(compile_s, 3)})
+    out["speedup"] = round(out["off_per_episode_s"] / out["on_per_episode_s"], 3)
+    out["compile_s"] = round(sum(r[3] for repeats in runs.values() for r in repeats), 3)
+    out.update(unclean=unclean, cpus=len(os.sched_getaffinity(0)), load_avg_1m=round(os.getloadavg()[0], 2))
+    return out
+
+
+def _check_partial_flags() -> None:
+    steps, size, episodes = FLAGS.rollout_partial_steps, FLAGS.rollout_group_size, FLAGS.rollout_episodes
+    if steps < 0:
+        raise app.UsageError(f"--rollout_partial_steps must be >= 0, got {steps}")
+    if steps and (size < 1 or episodes < size or episodes % size):
+        raise app.UsageError(f"--rollout_partial_steps: --rollout_episodes={episodes} must be a positive multiple "
+                             f"of --rollout_group_size={size} (the groups a step trains)")
+
+
 def run(argv) -> None:
     del argv
     if FLAGS.rollout_update_s < 0:
         raise app.UsageError(f"--rollout_update_s must be >= 0, got {FLAGS.rollout_update_s}")
+    _check_partial_flags()
     from envs.registry import FAMILIES
 
     unknown = [f for f in FLAGS.rollout_families if f not in FAMILIES]
@@ -314,6 +413,8 @@ def run(argv) -> None:
     model, tokenizer, style, eos_ids = _policy()
     for family in FLAGS.rollout_families:
         print(json.dumps(measure(family, model, tokenizer, style, eos_ids)), flush=True)
+        if FLAGS.rollout_partial_steps:
+            print(json.dumps(measure_partial(family, model, tokenizer, style, eos_ids)), flush=True)
 
 
 if __name__ == "__main__":  # pragma: no cover

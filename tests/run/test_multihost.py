@@ -168,3 +168,38 @@ def test_host_exchanges_and_barriers(tmp_path):
     for i, (_, out) in enumerate(results):
         refused = [l for l in out.splitlines() if l.startswith("REFUSED")]
         assert refused and f"reached 'only process {i} is here' within 3 s" in refused[0], out[-3000:]
+
+
+def test_two_processes_park_and_resume_their_own_episodes(tmp_path):
+    """Partial rollouts on two hosts: each parks its own episodes (both hosts' are in the
+    checkpoint), and a run resumed from that checkpoint continues them on both, every group started
+    trained or counted as dropped once over the run."""
+    from tests.stages.test_partial_resume import assert_every_group_once, last_records, parked_in, partial_config
+
+    workdir = str(tmp_path / "partial")
+    c = partial_config(3)
+    c.mesh = (1, 4, 1)
+    c.rollout.update(tasks_per_step=2, groups_in_flight=4)
+
+    def launch():
+        port = _free_port()
+        cmd = [sys.executable, "-m", "launch.train", f"--config={REPO}/configs/demo.py:grpo", f"--workdir={workdir}",
+               "--noprogress", *override_flags(c, demo.get_config("grpo"))]
+        jobs = [(cmd + ["--multihost", f"--coordinator_address=localhost:{port}", "--num_processes=2",
+                        f"--process_id={i}"], 2) for i in range(2)]
+        results = _launch(jobs)
+        if any(code and GLOO_RENDEZVOUS_LOST in out for code, out in results):  # see GLOO_RENDEZVOUS_LOST
+            warnings.warn("the two-process run lost a gloo rendezvous; running it again")
+            results = _launch(jobs)  # from its last checkpoint
+        failed = [f"process {i} failed (exit {code}):\n{_excerpt(out)}" for i, (code, out) in enumerate(results) if code]
+        assert not failed, "\n\n".join(failed)
+        return [out for _, out in results]
+
+    launch()
+    hosts = parked_in(workdir, 2)
+    assert len(hosts) == 2 and all(hosts), "each host parks its own episodes"
+    assert {ep["group_id"] for ep in hosts[0]}.isdisjoint(ep["group_id"] for ep in hosts[1])
+    os.rename(os.path.join(workdir, "checkpoints", "3"), str(tmp_path / "step-3-aside"))
+    outs = launch()
+    assert all("resuming from step 2" in out for out in outs[:1]) and not any("start again" in o for o in outs)
+    assert_every_group_once(last_records(workdir))
