@@ -10,6 +10,7 @@ from cope_jax.stages.entry import eval_run, train_run
 from models import ConfigError
 from tests.config_flags import leaves
 from tests.run.config_reads import recording
+from tests.stages.test_partial_resume import partial_config
 from tests.stages.test_train_e2e import tiny_config
 
 def names(config) -> set[str]:
@@ -44,5 +45,9 @@ def test_a_tiny_run_reads_every_field(tmp_path):
     customer.env.family, customer.env.user.kind = "tau2", "llm"
     with recording(customer) as read_three, pytest.raises(ConfigError, match="env.user: tau2's customer is an LLM"):
         train_run(customer, str(tmp_path / "customer"), progress=False)
-    assert names(c) - read - read_too - read_three == set()
+    # partial rollouts' settings are read where their rollouts are driven
+    partial = partial_config(steps=1)
+    with recording(partial) as read_four:
+        train_run(partial, str(tmp_path / "partial"), progress=False)
+    assert names(c) - read - read_too - read_three - read_four == set()
     assert len(read) > 60  # the recorder sees the run's reads (not an empty set compared with itself)
