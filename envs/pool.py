@@ -42,7 +42,7 @@ import tempfile
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Mapping
+from typing import Any, Hashable, Mapping, Sequence
 
 from envs.processes import BASE_ENV, WorkerGone, WorkerProcess, worker_env
 from envs.registry import FamilySpec, family_python, get_spec
@@ -66,6 +66,7 @@ class EnvResult:
     reason: str = ""
     elapsed: float = 0.0                       # seconds from submit to result
     worker_pid: int | None = None
+    replayed: list[str] | None = None          # a reset with actions: the observations it replayed
 
     @property
     def ok(self) -> bool:
@@ -79,6 +80,7 @@ class _Request:
     payload: dict[str, Any]
     submitted: float
     sent: float = 0.0                          # when it went to the worker (its deadline starts)
+    calls: int = 1                             # environment calls it makes: its deadline is that many
 
 
 @dataclass
@@ -182,16 +184,20 @@ class EnvPool:
 
     # ---- public API -------------------------------------------------------------------------
     def submit_reset(self, env_key: Hashable, family: str, task_id: int,
-                     max_rounds: int | None = None) -> None:
-        """Start the episode `env_key` on task `task_id`; its first observation comes back from poll()."""
+                     max_rounds: int | None = None, actions: Sequence[str | None] = ()) -> None:
+        """Start the episode `env_key` on task `task_id`; its first observation comes back from poll().
+        `actions`: steps the worker replays right after the reset, in the same call (a parked
+        episode caught up); the result is the last one's, with every observation in `replayed`."""
         self._check_open()
         if family not in self._specs:
             raise ValueError(f"no workers for family {family!r}")
         if env_key in self._episodes:
             raise ValueError(f"episode {env_key!r} is still live or has a call in flight")
         self._episodes[env_key] = _Episode(family)
-        req = _Request("reset", env_key, {"op": "reset", "task_id": int(task_id),
-                                          "max_rounds": max_rounds}, time.monotonic())
+        payload = {"op": "reset", "task_id": int(task_id), "max_rounds": max_rounds}
+        if actions:
+            payload["actions"] = list(actions)
+        req = _Request("reset", env_key, payload, time.monotonic(), calls=1 + len(actions))
         if family in self._broken:
             self._fail(req, "start_failed", self._broken[family])
             return
@@ -278,8 +284,10 @@ class EnvPool:
 
     def quiet_limit(self) -> float:
         """The longest a healthy pool goes without a result while it can progress: a replacement
-        worker's start, then one call's deadline (a worker answers within its deadline or is lost)."""
-        return max(self._specs[w.family].start_timeout + self._timeouts[w.family] for w in self._workers)
+        worker's start, then the longest call's deadline (a worker answers within its deadline or is
+        lost; a reset replaying actions has one deadline per call it makes)."""
+        calls = max((r.calls for w in self._workers for r in [*w.inflight.values(), *w.queue]), default=1)
+        return max(self._specs[w.family].start_timeout + calls * self._timeouts[w.family] for w in self._workers)
 
     def describe(self) -> str:
         """Where every outstanding call is, in one line (for an error message)."""
@@ -435,13 +443,13 @@ class EnvPool:
                                       f"{self._specs[w.family].start_timeout:.0f}s")
                 self._worker_lost(w, "start_failed", "start timeout")
             elif w.inflight:
-                late = min(w.inflight.values(), key=lambda r: r.sent)
-                if now - late.sent > self._timeouts[w.family]:
-                    self._worker_lost(w, "timeout", f"no answer within {self._timeouts[w.family]:.1f}s",
+                late = min(w.inflight.values(), key=lambda r: r.sent + r.calls * self._timeouts[w.family])
+                if now - late.sent > late.calls * self._timeouts[w.family]:
+                    self._worker_lost(w, "timeout", f"no answer within {late.calls * self._timeouts[w.family]:.1f}s",
                                       culprit=late)
 
     def _next_deadline(self) -> float:
-        deadlines = [r.sent + self._timeouts[w.family] for w in self._workers for r in w.inflight.values()]
+        deadlines = [r.sent + r.calls * self._timeouts[w.family] for w in self._workers for r in w.inflight.values()]
         deadlines += [w.started_at + self._specs[w.family].start_timeout for w in self._workers
                       if w.state == "starting"]
         return min(deadlines, default=time.monotonic() + 0.5)
@@ -483,7 +491,7 @@ class EnvPool:
             result = EnvResult(req.env_key, req.kind, msg.get("observation", ""), ep.score,
                                bool(msg.get("done")), bool(msg.get("success")),
                                msg.get("info") or {}, None, "",
-                               time.monotonic() - req.submitted, w.pid)
+                               time.monotonic() - req.submitted, w.pid, msg.get("replayed"))
         else:
             result = EnvResult(req.env_key, req.kind, "", ep.score, True, False, {},
                                msg.get("error", "env_error"), str(msg.get("reason", "")),

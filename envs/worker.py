@@ -6,12 +6,15 @@ lines (plain data) on stdin / the original stdout:
 
     parent -> worker: {"op": "init", "target": "module:Class", "kwargs": {...},
                        "concurrent": false}                                    (first line)
-                      {"op": "reset", "instance": 0, "task_id": 7, "max_rounds": 20}
+                      {"op": "reset", "instance": 0, "task_id": 7, "max_rounds": 20,
+                       "actions": [...]}  (optional: steps replayed after the reset)
                       {"op": "step", "instance": 0, "action": "go north" | null}
                       {"op": "close"}
     worker -> parent: {"ready": true, "pid": ...}  or  {"ready": false, "reason": ...}
                       {"ok": true, "instance": 0, "observation": ..., "score": ..., "done": ...,
-                       "success": ..., "info": {...}}
+                       "success": ..., "info": {...}, "replayed": [...]}
+                      ("replayed", after a reset with actions: the reset's observation and each
+                      replayed step's; the rest of the reply is the last call's)
                       or  {"ok": false, "instance": 0, "error": "env_error", "reason": ...}
 
 With "concurrent" the instances' requests run at the same time (a thread per instance) and replies come in
@@ -108,9 +111,15 @@ class _Instances:
                 if env is None:
                     env = self._envs[instance] = self._cls(**self._kwargs)
                 obs, info = env.reset(msg["task_id"], msg.get("max_rounds"))
-                score = float(info.get("score", 0.0))
-                self._send({"ok": True, "instance": instance, "observation": obs, "score": score, "done": False,
-                            "success": False, "info": info})
+                score, done, replayed = float(info.get("score", 0.0)), False, [obs]
+                for action in msg.get("actions") or ():  # a parked episode caught up in one call
+                    if done:
+                        break
+                    obs, score, done, info = env.step(action)
+                    replayed.append(obs)
+                reply = {"ok": True, "instance": instance, "observation": obs, "score": score, "done": done,
+                         "success": bool(done and env.success(score, done, info)), "info": info}
+                self._send(reply | ({"replayed": replayed} if msg.get("actions") else {}))
             elif msg["op"] == "step":
                 env = self._envs[instance]
                 obs, score, done, info = env.step(msg.get("action"))

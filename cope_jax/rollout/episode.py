@@ -51,8 +51,8 @@ class PlayedEpisode:
     replays: int = 0  # times it was started again after its worker was lost (runner.py)
     versions: list[int] = dataclasses.field(default_factory=list)  # the policy version of each sampled turn
     # a parked episode whose environment is gone is caught up (runner.py): its environment is reset and
-    # given its recorded actions again; this counts the results of that replay checked so far (-1: not)
-    caught: int = -1
+    # given its recorded actions again, in one call; whether that call is at the pool
+    caught: bool = False
 
     def restart(self) -> None:
         """Back to before its reset (a replay): everything played is dropped, `replays` counts one

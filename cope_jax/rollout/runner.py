@@ -226,36 +226,33 @@ class RolloutRunner:
 
     def _continue(self, parked: list[PlayedEpisode]) -> tuple[dict, list]:
         """Continues parked episodes -> (env key -> episode, the ones waiting for a row). One whose
-        environment is gone is caught up: reset, then given its recorded actions (`_catch_up`)."""
+        environment is gone is caught up: one reset call that replays the actions its recorded
+        observations answer (`_catch_up` checks them)."""
         by_key, need_row = {}, []
         for ep in parked:
             if ep.done:
                 continue
             if ep.env_key is None:
-                ep.caught, ep.in_env = 0, True
+                ep.caught, ep.in_env = bool(ep.observations), True
                 ep.env_key = (id(self), "continue", ep.uid, time.perf_counter_ns())
-                self.pool.submit_reset(ep.env_key, self.family_name, ep.task_id, max_rounds=self.cfg.max_rounds)
+                self.pool.submit_reset(ep.env_key, self.family_name, ep.task_id, max_rounds=self.cfg.max_rounds,
+                                       actions=ep.actions[:len(ep.observations) - 1])
             elif not ep.in_env:
                 need_row.append(ep)
             by_key[ep.env_key] = ep
         return by_key, need_row
 
-    def _catch_up(self, ep: PlayedEpisode, r, need_row: list) -> bool | None:
-        """A result of a parked episode being caught up: True if it is the recorded one (the next
-        recorded action is submitted, or the episode waits for a row), False if it is not (the
-        environment does not replay), None past the record (a new result: handled as usual)."""
-        j = ep.caught
-        if j == len(ep.observations):
-            ep.caught = -1
-            return None
-        if not r.ok or r.done or r.observation != ep.observations[j]:
+    def _catch_up(self, ep: PlayedEpisode, r, need_row: list) -> bool:
+        """The result of a parked episode's catch-up: True if it replayed the recorded observations
+        (the action that was in flight is sent again, or the episode waits for a row), False if
+        not (the environment does not replay: the episode plays again from its reset)."""
+        ep.caught = False
+        if not r.ok or r.done or (r.replayed or [r.observation]) != ep.observations:
             return False
-        ep.caught = j + 1
-        if j < len(ep.actions):
+        if len(ep.actions) == len(ep.observations):  # parked with its last action at the environment
             ep.in_env = True
-            self.pool.submit_step(ep.env_key, ep.actions[j])
+            self.pool.submit_step(ep.env_key, ep.actions[-1])
         else:
-            ep.caught = -1
             need_row.append(ep)
         return True
 
@@ -307,7 +304,7 @@ class RolloutRunner:
                 ep = by_key[r.env_key]
                 ep.in_env = False
                 stats.env_steps += r.kind == "step"
-                caught = self._catch_up(ep, r, need_row) if ep.caught >= 0 else None
+                caught = self._catch_up(ep, r, need_row) if ep.caught else None
                 if caught:
                     continue
                 if caught is False or (not r.ok and r.error in REPLAYED and ep.replays < cfg.max_replays):

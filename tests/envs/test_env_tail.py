@@ -49,3 +49,19 @@ def test_the_pool_plays_it():
     assert set(done) == set(tasks)
     for t, r in done.items():
         assert r.info["rounds"] == min(family.length(t), 8) and r.success == (family.length(t) <= 8)
+
+
+def test_a_reset_with_actions_replays_them_in_one_call():
+    """How a parked episode is caught up: the worker resets and steps the actions in one call and
+    answers with every observation; the replay stops where the episode ends."""
+    family = make_family("tail")
+    long = next(t for t in family.task_ids("test") if family.length(t) == NEVER)
+    short = next(t for t in family.task_ids("test") if family.length(t) == 2)
+    with EnvPool({"tail": 1}, envs_per_worker=2, call_timeout=5.0) as pool:
+        pool.submit_reset("long", "tail", long, max_rounds=8, actions=["wait", None, "wait"])
+        pool.submit_reset("short", "tail", short, max_rounds=8, actions=["wait"] * 4)
+        got = {r.env_key: r for r in pool.wait_all(timeout=30)}
+    assert got["long"].replayed == [f"Task {long}. Round 0.", "Round 1.", "Round 2.", "Round 3."]
+    assert got["long"].observation == "Round 3." and not got["long"].done
+    assert got["short"].replayed == [f"Task {short}. Round 0.", "Round 1.", "Round 2."]
+    assert got["short"].done and got["short"].success
