@@ -55,7 +55,8 @@ FAMILIES: dict[str, FamilySpec] = {
         # Fault injection for the pool's tests (crash / hang / raise on command).
         FamilySpec("chaos", "envs.chaos:ChaosEnv", call_timeout=10.0),
         # Episodes of known, long-tailed lengths: the rollout's tail, measured and tested.
-        FamilySpec("tail", "envs.tail:TailEnv", call_timeout=10.0),
+        # (instances independent, a call's time a sleep: they answer at once, like ScienceWorld's JVMs)
+        FamilySpec("tail", "envs.tail:TailEnv", call_timeout=10.0, concurrent_instances=True),
     )
 }
 

@@ -13,6 +13,7 @@ failures hold their rows to the cap, and a step waits for them.
 from __future__ import annotations
 
 import random
+import time
 from typing import Any
 
 from envs.base import EnvFamily
@@ -27,12 +28,14 @@ class TailEnv(EnvFamily):
     split_ids = {"train": range(0, 1000), "test": range(1000, 1200)}
     idle_action = "wait"
 
-    def __init__(self, success_rate: float = 0.7, mean_success_rounds: float = 3.0, seed: int = 0) -> None:
+    def __init__(self, success_rate: float = 0.7, mean_success_rounds: float = 3.0, seed: int = 0,
+                 call_s: float = 0.0) -> None:
         super().__init__()
-        if not 0 <= success_rate <= 1 or mean_success_rounds < 1:
-            raise ValueError(f"need 0 <= success_rate <= 1 and mean_success_rounds >= 1, "
-                             f"got {success_rate}, {mean_success_rounds}")
+        if not 0 <= success_rate <= 1 or mean_success_rounds < 1 or call_s < 0:
+            raise ValueError(f"need 0 <= success_rate <= 1, mean_success_rounds >= 1 and call_s >= 0, "
+                             f"got {success_rate}, {mean_success_rounds}, {call_s}")
         self.success_rate, self.mean_success_rounds, self.seed = success_rate, mean_success_rounds, seed
+        self.call_s = call_s  # seconds each reset and step takes: a simulator's (or simulated user's) own time
         self._length = NEVER
 
     def length(self, task_id: int) -> int:
@@ -60,6 +63,7 @@ class TailEnv(EnvFamily):
         return [] if n == NEVER else [self.idle_action] * n
 
     def _reset(self, task_id: int) -> tuple[str, dict[str, Any]]:
+        time.sleep(self.call_s)
         self._length = self.length(task_id)
         return f"Task {task_id}. Round 0.", {}
 
@@ -70,6 +74,7 @@ class TailEnv(EnvFamily):
         return self._advance()
 
     def _advance(self) -> tuple[str, float, bool, dict[str, Any]]:
+        time.sleep(self.call_s)
         done = self._rounds >= self._length
         return f"Round {self._rounds}.", float(done), done, {"invalid": False}
 

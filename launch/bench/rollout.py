@@ -3,7 +3,7 @@
   python -m launch.bench --suite=rollout [--rollout_families=builtin,sciworld] [--rollout_workers=4]
       [--rollout_envs_per_worker=2] [--rollout_episodes=16] [--rollout_rounds=8]
       [--rollout_turn_tokens=24] [--rollout_turn_end=0.08] [--rollout_update_s=1] [--rollout_repeats=3]
-      [--rollout_model=DIR]
+      [--rollout_model=DIR] [--rollout_partial_steps=0] [--rollout_group_size=4]
 
 For each family, three measurements of the same episodes, in the same run (after a warm-up pass
 that compiles the sampler's shapes and warms the environments, e.g. the JVM's JIT):
@@ -43,6 +43,21 @@ the vocabulary ends a turn, so turns end at uneven lengths (~1/p tokens, at most
 `--rollout_turn_tokens`) as a trained policy's do, and streaming lets the environments step while
 the longer turns of the call decode; with p = 0 every turn runs to the cap and all end together
 (nothing to overlap within a round). One JSON object per line.
+
+With `--rollout_partial_steps=N`, a second line per family (`"measure": "partial"`) compares the
+rollout wall time per trained episode of N training steps with partial rollouts off and on (same
+sampler, same pool, tasks_per_step = `--rollout_episodes` / `--rollout_group_size` groups trained a
+step, group g on the g-th test task). Off: each step plays tasks_per_step new groups to the end. On:
+as `PartialRollouts.step` (`cope_jax/stages/partial.py`) with groups_in_flight = 2 x tasks_per_step:
+each step tops the parked groups up with new ones and ends once tasks_per_step groups are complete;
+the last step plays every group to its end. Each mode uses a fresh runner; one untimed pass of each
+warms up. Per mode (its best repeat: least wall per episode): `*_wall_s` (the runs' walls summed),
+`*_episodes` (trained), `*_groups` (started: all train, as both modes end drained),
+`*_per_episode_s`, `*_occupancy`, `*_low_occupancy_share`, `*_decode_calls`, `*_env_steps`,
+`*_gen_tokens`, `*_compile_s`. `speedup` = off over on per episode; `calls_ratio` the same for
+sampler calls per episode: the speed-up where a call costs the same whatever its rows (an
+accelerator's decode). On a CPU a call's cost grows with the rows it decodes, so fuller calls gain
+less wall time there (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -74,6 +89,8 @@ flags.DEFINE_float("rollout_turn_end", 0.08,
 flags.DEFINE_integer("rollout_partial_steps", 0, "Training steps of the partial-rollouts comparison "
                      "(the `measure: partial` line; 0: not measured).")
 flags.DEFINE_integer("rollout_group_size", 4, "Episodes per group (one task) in the partial-rollouts comparison.")
+flags.DEFINE_float("rollout_tail_call_s", 0.0, "The partial-rollouts comparison on the tail family: seconds each "
+                   "environment call takes (a simulator's or simulated customer's own time; 0: instant calls).")
 FLAGS = flags.FLAGS
 
 MAX_LEN = 4096
@@ -349,25 +366,29 @@ def measure_partial(family_name: str, model, tokenizer, style: str, eos_ids) -> 
     task_ids = [int(t) for t in family.task_ids("test")]
     key = jax.random.key(0)
     runs: dict[str, list] = {"off": [], "on": []}
-    with EnvPool({family_name: FLAGS.rollout_workers}, envs_per_worker=FLAGS.rollout_envs_per_worker) as pool:
+    kwargs = {"tail": {"call_s": FLAGS.rollout_tail_call_s}} if family_name == "tail" else {}
+    with EnvPool({family_name: FLAGS.rollout_workers}, envs_per_worker=FLAGS.rollout_envs_per_worker,
+                 family_kwargs=kwargs) as pool:
         def play(partial: bool) -> tuple:
             runner = RolloutRunner(sampler, pool, family_name, family, chat, cfg)
             before = _COMPILE["s"]
             out = play_steps(runner, task_ids, key, partial)
             return (*out, _COMPILE["s"] - before)
 
-        for _ in range(WARMUP_PASSES):  # compiles the shapes both modes reach
-            if not play(False)[3] + play(True)[3]:
-                break
+        # one untimed pass of each mode compiles most shapes (a pass is N rollouts: repeating it until
+        # nothing compiles costs minutes); a measured repeat that compiled counts only if all did
+        for partial in (False, True):
+            play(partial)
         for _ in range(FLAGS.rollout_repeats):
             for mode in runs:
                 runs[mode].append(play(mode == "on"))
     family.close()
+    per_step = FLAGS.rollout_episodes // FLAGS.rollout_group_size
     fields = {"suite": "rollout", "family": family_name, "measure": "partial", "steps": FLAGS.rollout_partial_steps,
-              "group_size": FLAGS.rollout_group_size, "tasks_per_step": FLAGS.rollout_episodes // FLAGS.rollout_group_size,
-              "groups_in_flight": 2 * (FLAGS.rollout_episodes // FLAGS.rollout_group_size), "rows": sampler.batch_size,
-              "workers": FLAGS.rollout_workers, "envs_per_worker": FLAGS.rollout_envs_per_worker,
-              "rounds": FLAGS.rollout_rounds, "turn_end": FLAGS.rollout_turn_end}
+              "group_size": FLAGS.rollout_group_size, "tasks_per_step": per_step, "groups_in_flight": 2 * per_step,
+              "rows": sampler.batch_size, "workers": FLAGS.rollout_workers,
+              "envs_per_worker": FLAGS.rollout_envs_per_worker, "rounds": FLAGS.rollout_rounds,
+              "turn_end": FLAGS.rollout_turn_end, "tail_call_s": FLAGS.rollout_tail_call_s}
     return _partial_line(fields, runs)
 
 
@@ -383,9 +404,13 @@ def _partial_line(fields: dict, runs: dict[str, list]) -> dict:
         out.update({f"{mode}_wall_s": _seconds(wall), f"{mode}_episodes": trained, f"{mode}_groups": started,
                     f"{mode}_per_episode_s": _seconds(wall / trained), f"{mode}_occupancy": round(stats.occupancy, 3),
                     f"{mode}_low_occupancy_share": round(stats.low_occupancy_share, 3),
-                    f"{mode}_env_steps": stats.env_steps, f"{mode}_gen_tokens": stats.generated_tokens,
+                    f"{mode}_decode_calls": stats.decode_calls, f"{mode}_env_steps": stats.env_steps,
+                    f"{mode}_gen_tokens": stats.generated_tokens,
                     f"{mode}_compile_s": round(compile_s, 3)})
     out["speedup"] = round(out["off_per_episode_s"] / out["on_per_episode_s"], 3)
+    # the speed-up where a sampler call costs the same whatever its rows (an accelerator's decode)
+    calls = {m: out[f"{m}_decode_calls"] / out[f"{m}_episodes"] for m in runs}
+    out["calls_ratio"] = round(calls["off"] / calls["on"], 3)
     out["compile_s"] = round(sum(r[3] for repeats in runs.values() for r in repeats), 3)
     out.update(unclean=unclean, cpus=len(os.sched_getaffinity(0)), load_avg_1m=round(os.getloadavg()[0], 2))
     return out

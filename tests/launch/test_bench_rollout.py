@@ -67,3 +67,29 @@ def test_bad_flags_are_refused():
     assert out.returncode == 1 and out.stderr.strip().splitlines() == [
         "bench: error: --rollout_families: no family nosuch; known: alfworld, appworld, builtin, chaos, sciworld, "
         "tail, tau2, webshop"]
+
+
+def test_the_partial_line_compares_partial_rollouts_off_and_on():
+    out = _bench("--rollout_families=tail", "--rollout_episodes=4", "--rollout_group_size=2", "--rollout_rounds=4",
+                 "--rollout_partial_steps=3")
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [json.loads(ln) for ln in out.stdout.splitlines() if ln.startswith("{")]
+    assert [ln.get("measure") for ln in lines] == [None, "partial"]  # after the family's overlap line
+    line = lines[1]
+    assert line["family"] == "tail" and line["tasks_per_step"] == 2 and line["groups_in_flight"] == 4
+    # off trains steps x tasks_per_step groups; on drains at its last step, so trains every group it started
+    assert line["off_groups"] == 3 * 2 and line["off_episodes"] == 3 * 2 * 2
+    assert line["on_groups"] >= 3 * 2 and line["on_episodes"] == 2 * line["on_groups"]
+    for mode in ("off", "on"):
+        assert line[f"{mode}_wall_s"] > 0 and line[f"{mode}_env_steps"] >= line[f"{mode}_episodes"]
+        assert line[f"{mode}_per_episode_s"] == pytest.approx(line[f"{mode}_wall_s"] / line[f"{mode}_episodes"],
+                                                              rel=0.002)
+        assert 0 < line[f"{mode}_occupancy"] <= 1 and 0 <= line[f"{mode}_low_occupancy_share"] <= 1
+    assert line["speedup"] == pytest.approx(line["off_per_episode_s"] / line["on_per_episode_s"], rel=0.005)
+
+
+def test_bad_partial_flags_are_refused():
+    out = _bench("--rollout_partial_steps=-1")
+    assert out.returncode != 0 and "--rollout_partial_steps must be >= 0" in out.stderr
+    out = _bench("--rollout_partial_steps=2", "--rollout_group_size=3")
+    assert out.returncode != 0 and "must be a positive multiple of --rollout_group_size=3" in out.stderr
