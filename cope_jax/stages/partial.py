@@ -17,7 +17,7 @@ when the run's settings changed, plays them again from their reset.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -36,18 +36,32 @@ def _shares(n: int) -> list[int]:
 
 
 class PartialRollouts:
-    """The RL stage's rollouts under `rollout.partial` (module docstring)."""
+    """The RL stage's rollouts under `rollout.partial` (module docstring). `tasks.take(n)` gives the
+    next n task ids; `before_run` runs before each rollout (the sampling replica's refresh);
+    `played_under` names the settings a parked episode can be continued under."""
 
-    def __init__(self, parts: Components, runner: RolloutRunner, tasks):
-        r = parts.config.rollout
-        self.parts, self.runner, self.tasks = parts, runner, tasks
-        self.group_size, self.max_staleness = int(r.group_size), int(r.max_staleness)
-        self.in_flight = _shares(int(r.groups_in_flight) or 2 * int(r.tasks_per_step))
-        self.complete = _shares(int(r.tasks_per_step))
+    def __init__(self, runner: RolloutRunner, tasks, *, group_size: int, tasks_per_step: int,
+                 groups_in_flight: int = 0, max_staleness: int, played_under: dict[str, Any],
+                 before_run: Callable[[], None] = lambda: None):
+        self.runner, self.tasks, self.before_run = runner, tasks, before_run
+        self.group_size, self.max_staleness, self.played_under = group_size, max_staleness, played_under
+        self.in_flight = _shares(groups_in_flight or 2 * tasks_per_step)
+        self.complete = _shares(tasks_per_step)
         if min(self.complete) == 0:
-            raise ConfigError(f"rollout.partial: rollout.tasks_per_step={r.tasks_per_step} gives a host no group "
+            raise ConfigError(f"rollout.partial: rollout.tasks_per_step={tasks_per_step} gives a host no group "
                               f"to complete on {jax.process_count()} hosts")
         self.next_group = 0  # groups started over the run, all hosts together
+
+    @classmethod
+    def of_run(cls, parts: Components, runner: RolloutRunner, tasks) -> "PartialRollouts":
+        c, r = parts.config, parts.config.rollout
+        played_under = {"family": c.env.family, "max_rounds": int(c.env.max_rounds_train),
+                        "group_size": int(r.group_size), "chat_style": c.chat_style,
+                        "vocab_size": int(parts.chat.tokenizer.vocab_size),
+                        "rollout": {k: r[k] for k in ("max_turn_tokens", "max_len", "max_prompt_len", "max_response_len")}}
+        return cls(runner, tasks, group_size=int(r.group_size), tasks_per_step=int(r.tasks_per_step),
+                   groups_in_flight=int(r.groups_in_flight), max_staleness=int(r.max_staleness),
+                   played_under=played_under, before_run=parts.replica.refresh)
 
     def step(self, i: int, key, last: bool) -> tuple[list, RolloutStats, dict[str, float]]:
         """Step i's rollout -> (the complete groups' trajectories, every host's, in host order; the
@@ -64,7 +78,7 @@ class PartialRollouts:
         groups = [(task_ids[sum(wants[:p]) + k], first + k) for k in range(wants[p])]
         schedule = [(t, g) for t, g in groups for _ in range(self.group_size)]
         uids = [g * self.group_size + m for _, g in groups for m in range(self.group_size)]
-        self.parts.replica.refresh()
+        self.before_run()
         key = jax.random.wrap_key_data(np.asarray(jax.random.key_data(key)), impl=jax.random.key_impl(key))
         trajs, stats = runner.run(schedule, key, episode_ids=uids, complete_groups=0 if last else self.complete[p],
                                   version=i)
@@ -81,14 +95,14 @@ class PartialRollouts:
         """The checkpoint's part: every host's parked episodes, the group counter, and what the
         parked episodes were played under (a resumed run with other settings replays them)."""
         hosts = distributed.allgather_objects([parking.episode_state(ep) for ep in self.runner.parked])
-        return {"next_group": self.next_group, "hosts": hosts, "played_under": self._played_under()}
+        return {"next_group": self.next_group, "hosts": hosts, "played_under": self.played_under}
 
     def restore(self, state: dict[str, Any]) -> int:
         """Takes this host's parked episodes back; returns how many start again from their reset
         (all, when the settings they were played under changed, the host count included)."""
         self.next_group = int(state["next_group"])
         hosts = state["hosts"]
-        continuable = state["played_under"] == self._played_under() and len(hosts) == jax.process_count()
+        continuable = state["played_under"] == self.played_under and len(hosts) == jax.process_count()
         if continuable:
             parked = [parking.episode_from_state(s) for s in hosts[jax.process_index()]]
         else:  # whole groups, dealt over the hosts there are now
@@ -101,13 +115,6 @@ class PartialRollouts:
                 ep.replays -= 1  # a restart for a changed setting is not a replay of a lost episode
         self.runner.parked = parked
         return 0 if continuable else len(parked)
-
-    def _played_under(self) -> dict[str, Any]:
-        c = self.parts.config
-        return {"family": c.env.family, "max_rounds": int(c.env.max_rounds_train), "group_size": self.group_size,
-                "chat_style": c.chat_style, "vocab_size": int(self.parts.chat.tokenizer.vocab_size),
-                "rollout": {k: c.rollout[k] for k in ("max_turn_tokens", "max_len", "max_prompt_len",
-                                                      "max_response_len")}}
 
 
 def staleness(trajs, version: int) -> dict[str, float]:

@@ -63,7 +63,7 @@ def train(parts: Components, progress: bool = True, resume: str = "latest") -> d
     tasks = _TaskBatches(parts)
     ckpt = TrainCheckpointer(os.path.join(parts.workdir, CHECKPOINT_DIR), keep=c.checkpoint.keep)
     train_runner = rollout_runner(parts, "train")
-    partial = PartialRollouts(parts, train_runner, tasks) if c.rollout.partial else None
+    partial = PartialRollouts.of_run(parts, train_runner, tasks) if c.rollout.partial else None
     start, base_key = _restore(parts, ckpt, learner, tasks, resume, partial)
     refill_rounds = int(c.train.refill_rounds)  # the cap of zero_variance='filter'
     bar = Bar(start, c.train.steps, enabled=progress and parts.is_main)

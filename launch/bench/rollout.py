@@ -329,31 +329,42 @@ def _line(fields: dict, best: dict, compiled: dict, compile_s: float) -> dict:
     return out
 
 
+class _Tasks:
+    """The partial-rollouts comparison's tasks: the family's test tasks in order, round and round."""
+
+    def __init__(self, task_ids: list[int]):
+        self.task_ids, self.next = task_ids, 0
+
+    def take(self, n: int) -> list[int]:
+        self.next += n
+        return [self.task_ids[g % len(self.task_ids)] for g in range(self.next - n, self.next)]
+
+
 def play_steps(runner, task_ids: list[int], key, partial: bool):
     """`--rollout_partial_steps` training steps' rollouts on a fresh `runner` -> (trained episodes,
-    groups started, the runs' stats summed). A step trains tasks_per_step groups (group g: task
-    task_ids[g], episode ids g * group_size + member). Off: that many new groups, played to the end.
-    On: as `PartialRollouts.step` plays them, with groups_in_flight = 2 x tasks_per_step."""
+    groups started, the runs' stats summed). A step trains tasks_per_step groups. Off: that many
+    new groups (group g: the g-th task, episode ids g * group_size + member), played to the end.
+    On: `PartialRollouts` (the RL stage's own) with groups_in_flight = 2 x tasks_per_step."""
     from cope_jax.rollout.runner import RolloutStats
+    from cope_jax.stages.partial import PartialRollouts
 
     size, steps = FLAGS.rollout_group_size, FLAGS.rollout_partial_steps
     per_step = FLAGS.rollout_episodes // size
-    started, trained, parts = 0, 0, []
+    tasks = _Tasks(task_ids)
+    stage = PartialRollouts(runner, tasks, group_size=size, tasks_per_step=per_step,
+                            max_staleness=steps, played_under={})
+    trained, parts = 0, []
     for step in range(steps):
-        last = step == steps - 1
-        want = per_step
-        if partial:  # top the parked groups up; the last step tops up to what it trains, and drains
-            parked = len({ep.group_id for ep in runner.parked})
-            want = max(0, (per_step if last else 2 * per_step) - parked)
-        groups = range(started, started + want)
-        started += want
-        tasks = [(task_ids[g % len(task_ids)], g) for g in groups for _ in range(size)]
-        uids = [g * size + m for g in groups for m in range(size)]
-        trajs, stats = runner.run(tasks, key, episode_ids=uids, version=step,
-                                  complete_groups=per_step if partial and not last else 0)
+        if partial:
+            trajs, stats, _ = stage.step(step, key, last=step == steps - 1)
+        else:
+            first = tasks.next
+            schedule = [(t, first + k) for k, t in enumerate(tasks.take(per_step)) for _ in range(size)]
+            trajs, stats = runner.run(schedule, key, episode_ids=[g * size + m for _, g in schedule[::size]
+                                                                  for m in range(size)])
         trained += len(trajs)
         parts.append(stats)
-    return trained, started, RolloutStats.combined(parts)
+    return trained, stage.next_group if partial else tasks.next, RolloutStats.combined(parts)
 
 
 def measure_partial(family_name: str, model, tokenizer, style: str, eos_ids) -> dict:

@@ -4,7 +4,6 @@ as they were; a parked episode whose environment is gone is caught up (or played
 environment does not replay); stale groups are dropped whole; over a run of steps, every sampled
 group is trained or dropped exactly once, and long episodes are not trained less often than short."""
 import json
-import types
 
 import jax
 import numpy as np
@@ -125,29 +124,9 @@ class _Tasks:
         return [int(t) for t in TASKS[self.next - n:self.next]]
 
 
-def _stage(runner, **rollout):
-    config = types.SimpleNamespace(
-        rollout=types.SimpleNamespace(**dict(dict(group_size=2, tasks_per_step=2, groups_in_flight=4,
-                                                  max_staleness=100, max_turn_tokens=4, max_len=1024,
-                                                  max_prompt_len=0, max_response_len=0), **rollout)),
-        env=types.SimpleNamespace(family="tail", max_rounds_train=ROUNDS), chat_style="plain")
-    parts = types.SimpleNamespace(config=_Config(config), replica=types.SimpleNamespace(refresh=lambda: None),
-                                  chat=runner.chat)
-    return PartialRollouts(parts, runner, _Tasks())
-
-
-class _Config:
-    """Attribute and item access over namespaces, like an ml_collections ConfigDict."""
-
-    def __init__(self, ns):
-        self._ns = ns
-
-    def __getattr__(self, name):
-        value = getattr(self._ns, name)
-        return _Config(value) if isinstance(value, types.SimpleNamespace) else value
-
-    def __getitem__(self, name):
-        return getattr(self, name)
+def _stage(runner, max_staleness=100):
+    return PartialRollouts(runner, _Tasks(), group_size=2, tasks_per_step=2, groups_in_flight=4,
+                           max_staleness=max_staleness, played_under={"max_rounds": ROUNDS})
 
 
 def _steps(stage, n):
@@ -195,7 +174,7 @@ def test_a_restore_under_other_settings_plays_the_parked_episodes_again_from_the
     parked = len(runner.parked)
     runner.release_parked()
     assert stage.restore(state) == 0 and len(runner.parked) == parked  # same settings: continued
-    state["played_under"]["max_rounds"] = ROUNDS + 1
+    state["played_under"] = {"max_rounds": ROUNDS + 1}
     runner.release_parked()
     assert stage.restore(state) == parked
     assert all(ep.tokens == [] and ep.versions == [] and ep.replays == 0 for ep in runner.parked)
