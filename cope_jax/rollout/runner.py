@@ -159,8 +159,8 @@ class RolloutRunner:
         for i, ep in enumerate(episodes):
             ep.index = i
         by_key, need_row = self._continue(parked)
-        fresh, early = self._submit_resets(episodes[len(parked):])
-        by_key |= fresh
+        reset, early = self._submit_resets(fresh)
+        by_key |= reset
         self.cancel_prefetch()  # what is left was prefetched for a batch that did not come
         for (t, g), u in zip(prefetch, ahead_ids):  # the next batch's resets
             env_key = (id(self), "ahead", u, time.perf_counter_ns())
@@ -197,19 +197,23 @@ class RolloutRunner:
         """Gives the parked episodes' environments back to the pool (e.g. before another runner uses
         it); the next run catches them up (`cope_jax/rollout/parking.py`)."""
         for ep in self.parked:
-            if ep.env_key is not None and not ep.done:
-                self.pool.release(ep.env_key)
-            ep.env_key, ep.in_env = None, False
+            self._release(ep)
 
     def drop_parked(self, groups: Sequence[int]) -> list[PlayedEpisode]:
         """Removes the parked episodes of `groups` (never trained: too stale) and frees their
         environments; returns them."""
-        dropped = [ep for ep in self.parked if ep.group_id in set(groups)]
-        self.parked = [ep for ep in self.parked if ep.group_id not in set(groups)]
+        groups = set(groups)
+        dropped = [ep for ep in self.parked if ep.group_id in groups]
+        self.parked = [ep for ep in self.parked if ep.group_id not in groups]
         for ep in dropped:
-            if ep.env_key is not None and not ep.done:
-                self.pool.release(ep.env_key)
+            self._release(ep)
         return dropped
+
+    def _release(self, ep: PlayedEpisode) -> None:
+        """Gives a parked episode's environment back (a call of it in flight is answered, then dropped)."""
+        if ep.env_key is not None and not ep.done:
+            self.pool.release(ep.env_key)
+        ep.env_key, ep.in_env = None, False
 
     def _park(self, episodes: list[PlayedEpisode], state: SamplerState) -> list[PlayedEpisode]:
         """Parks the episodes of the groups not complete; returns the others (their groups are)."""

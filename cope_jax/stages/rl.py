@@ -91,27 +91,26 @@ def train(parts: Components, progress: bool = True, resume: str = "latest") -> d
         if c.train.zero_variance == "filter":
             trajs, rstats, refill = _refilled(parts, train_runner, tasks, i, base_key, played, rstats,
                                               refill_rounds)
-        t1 = time.time()
-        examples = build_examples(trajs, parts.chat, parts.forecast_cfg) if parts.forecast_cfg else []
-        metrics, host, mbs = learn(parts, learner, parts.loss_cfg, parts.spec, trajs, examples,
-                                   groups_per_minibatch=c.train.minibatch_tasks, ref_model=ref_model)
         # success and score are the step's own tasks' (the refills drew ahead, and kept only some)
-        record = _step_record(played, metrics, host, examples, rstats, mbs, t1 - t0, time.time() - t1,
-                              parts.family.overall)
-        return record | faults.record() | refill
+        return trained_on(played, trajs, rstats, t0) | faults.record() | refill
 
     def partial_step(i: int) -> dict[str, float]:
         t0 = time.time()
         played, rstats, counts = partial.step(i, jax.random.fold_in(base_key, i), last=i + 1 == c.train.steps)
         trajs, faults = faults_lib.drop(played, parts.max_fault_fraction, what=f"step {i + 1}")
+        trained = float(len({t.group_id for t in trajs}))
+        return (trained_on(played, trajs, rstats, t0) | faults.record() | counts | {"groups_trained": trained}
+                | staleness(trajs, i))
+
+    def trained_on(played, trajs, rstats, t0: float) -> dict[str, float]:
+        """One optimizer step per mini-batch of `trajs` (and their forecasting examples) -> the step
+        record of `played` (the step's episodes; its rollout began at t0)."""
         t1 = time.time()
         examples = build_examples(trajs, parts.chat, parts.forecast_cfg) if parts.forecast_cfg else []
         metrics, host, mbs = learn(parts, learner, parts.loss_cfg, parts.spec, trajs, examples,
                                    groups_per_minibatch=c.train.minibatch_tasks, ref_model=ref_model)
-        record = _step_record(played, metrics, host, examples, rstats, mbs, t1 - t0, time.time() - t1,
-                              parts.family.overall)
-        trained = float(len({t.group_id for t in trajs}))
-        return record | faults.record() | counts | {"groups_trained": trained} | staleness(trajs, i)
+        return _step_record(played, metrics, host, examples, rstats, mbs, t1 - t0, time.time() - t1,
+                            parts.family.overall)
 
     def after(n: int) -> None:
         nonlocal summary

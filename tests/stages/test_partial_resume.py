@@ -3,10 +3,8 @@ them from the checkpoint, and over the whole run every group it started is train
 dropped exactly once; the settings partial rollouts need are refused one line at a time."""
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -15,7 +13,7 @@ from cope_jax.run.config_check import check
 from models.config import ConfigError
 from tests.config_flags import override_flags
 from tests.paths import ROOT
-from tests.stages.test_train_e2e import tiny_config
+from tests.stages.test_train_e2e import kill_9_after_checkpoint, tiny_config
 
 
 def partial_config(steps: int):
@@ -58,14 +56,7 @@ def assert_every_group_once(records: dict[int, dict]) -> None:
 def test_kill_9_while_episodes_are_parked_then_resume_trains_each_group_once(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="", JAX_PLATFORMS="cpu")
     workdir = str(tmp_path / "run")
-    proc = subprocess.Popen(_cmd(workdir, 5), env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + 600
-    while not os.path.isdir(os.path.join(workdir, "checkpoints", "2")):
-        assert proc.poll() is None and time.time() < deadline, "the run ended before its second checkpoint"
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_9_after_checkpoint(_cmd(workdir, 5), workdir, env)
     assert max(last_records(workdir)) < 5
     parked = parked_in(workdir, 2)[0]
     assert parked and any(ep["versions"] for ep in parked)  # killed with episodes parked mid-way

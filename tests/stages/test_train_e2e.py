@@ -136,18 +136,23 @@ def _metrics(workdir):
     return out
 
 
+def kill_9_after_checkpoint(cmd, workdir, env, step=2):
+    """Runs `cmd` until `workdir` holds checkpoint `step`, then SIGKILLs it with everything it started."""
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 600
+    while not os.path.isdir(os.path.join(workdir, "checkpoints", str(step))):
+        assert proc.poll() is None and time.time() < deadline, f"the run ended before checkpoint {step}"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
 def test_kill_9_then_rerun_resumes_exactly(tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO, XLA_FLAGS="", JAX_PLATFORMS="cpu")
     straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
     subprocess.run(_train_cmd(straight, 4), env=env, cwd=REPO, check=True, capture_output=True, timeout=600)
-    proc = subprocess.Popen(_train_cmd(killed, 4), env=env, cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + 600
-    while not os.path.isdir(os.path.join(killed, "checkpoints", "2")):
-        assert proc.poll() is None and time.time() < deadline, "the run ended before its second checkpoint"
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_9_after_checkpoint(_train_cmd(killed, 4), killed, env)
     before = _metrics(killed)
     assert max(before) < 4
     subprocess.run(_train_cmd(killed, 4), env=env, cwd=REPO, check=True, capture_output=True, timeout=600)
