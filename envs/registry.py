@@ -44,6 +44,9 @@ FAMILIES: dict[str, FamilySpec] = {
     spec.name: spec for spec in (
         FamilySpec("builtin", "envs.builtin:BuiltinEnv", call_timeout=10.0),
         FamilySpec("sciworld", "envs.sciworld:SciWorldEnv", call_timeout=60.0, concurrent_instances=True),
+        # ScienceWorld stepping each task's gold path whatever the model says: the tail on the real engine
+        FamilySpec("sciworld_gold", "envs.sciworld_gold:GoldSciWorldEnv", call_timeout=60.0,
+                   concurrent_instances=True),
         FamilySpec("alfworld", "envs.alfworld:AlfWorldEnv", call_timeout=60.0, env_vars=("ALFWORLD_DATA",)),
         FamilySpec("webshop", "envs.webshop:WebShopEnv", call_timeout=60.0, start_timeout=300.0,
                    env_vars=("WEBSHOP_ROOT",)),

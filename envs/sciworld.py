@@ -173,6 +173,10 @@ class SciWorldEnv(EnvFamily):
 
     def _reset(self, task_id: int) -> tuple[str, dict[str, Any]]:
         self._load(task_id, gold=False)
+        return self._opening(task_id)
+
+    def _opening(self, task_id: int) -> tuple[str, dict[str, Any]]:
+        """The loaded task's first observation (its description, then `look around`) and info."""
         description = self._server.getTaskDescription()
         observation = self._server.step("look around")
         name, variation = POOL[int(task_id)]

@@ -53,7 +53,8 @@ each step tops the parked groups up with new ones and ends once tasks_per_step g
 the last step plays every group to its end. Each mode uses a fresh runner; one untimed pass of each
 warms up. Per mode (its best repeat: least wall per episode): `*_wall_s` (the runs' walls summed),
 `*_episodes` (trained), `*_groups` (started: all train, as both modes end drained),
-`*_per_episode_s`, `*_occupancy`, `*_low_occupancy_share`, `*_decode_calls`, `*_env_steps`,
+`*_per_episode_s`, `*_capped_share` and `*_success_share` (of the trained episodes: ended by the
+round cap, successes), `*_occupancy`, `*_low_occupancy_share`, `*_decode_calls`, `*_env_steps`,
 `*_gen_tokens`, `*_compile_s`. `speedup` = off over on per episode; `calls_ratio` the same for
 sampler calls per episode: the speed-up where a call costs the same whatever its rows (an
 accelerator's decode). On a CPU a call's cost grows with the rows it decodes, so fuller calls gain
@@ -342,7 +343,7 @@ class _Tasks:
 
 def play_steps(runner, task_ids: list[int], key, partial: bool):
     """`--rollout_partial_steps` training steps' rollouts on a fresh `runner` -> (trained episodes,
-    groups started, the runs' stats summed). A step trains tasks_per_step groups. Off: that many
+    groups started, the runs' stats summed, the trained episodes' finish reasons and successes). A step trains tasks_per_step groups. Off: that many
     new groups (group g: the g-th task, episode ids g * group_size + member), played to the end.
     On: `PartialRollouts` (the RL stage's own) with groups_in_flight = 2 x tasks_per_step."""
     from cope_jax.rollout.runner import RolloutStats
@@ -353,7 +354,7 @@ def play_steps(runner, task_ids: list[int], key, partial: bool):
     tasks = _Tasks(task_ids)
     stage = PartialRollouts(runner, tasks, group_size=size, tasks_per_step=per_step,
                             max_staleness=steps, played_under={})
-    trained, parts = 0, []
+    trained, parts = [], []
     for step in range(steps):
         if partial:
             trajs, stats, _ = stage.step(step, key, last=step == steps - 1)
@@ -362,7 +363,7 @@ def play_steps(runner, task_ids: list[int], key, partial: bool):
             schedule = [(t, first + k) for k, t in enumerate(tasks.take(per_step)) for _ in range(size)]
             trajs, stats = runner.run(schedule, key, episode_ids=[g * size + m for _, g in schedule[::size]
                                                                   for m in range(size)])
-        trained += len(trajs)
+        trained += [(t.finish_reason, t.success) for t in trajs]
         parts.append(stats)
     return trained, stage.next_group if partial else tasks.next, RolloutStats.combined(parts)
 
@@ -410,10 +411,13 @@ def _partial_line(fields: dict, runs: dict[str, list]) -> dict:
     for mode, repeats in runs.items():
         clean = [r for r in repeats if not r[3]]
         unclean += [] if clean else [mode]
-        trained, started, stats, compile_s = min(clean or repeats, key=lambda r: r[2].host_wall_s / r[0])
-        wall = stats.host_wall_s  # the runs' walls summed (`RolloutStats.combined`)
+        ends, started, stats, compile_s = min(clean or repeats, key=lambda r: r[2].host_wall_s / len(r[0]))
+        wall, trained = stats.host_wall_s, len(ends)  # the runs' walls summed (`RolloutStats.combined`)
         out.update({f"{mode}_wall_s": _seconds(wall), f"{mode}_episodes": trained, f"{mode}_groups": started,
-                    f"{mode}_per_episode_s": _seconds(wall / trained), f"{mode}_occupancy": round(stats.occupancy, 3),
+                    f"{mode}_per_episode_s": _seconds(wall / trained),
+                    f"{mode}_capped_share": round(sum(r == "max_rounds" for r, _ in ends) / trained, 3),
+                    f"{mode}_success_share": round(sum(y for _, y in ends) / trained, 3),
+                    f"{mode}_occupancy": round(stats.occupancy, 3),
                     f"{mode}_low_occupancy_share": round(stats.low_occupancy_share, 3),
                     f"{mode}_decode_calls": stats.decode_calls, f"{mode}_env_steps": stats.env_steps,
                     f"{mode}_gen_tokens": stats.generated_tokens,

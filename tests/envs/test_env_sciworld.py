@@ -113,6 +113,31 @@ def test_wrong_focus_gives_y0(pool):
     assert r.ok and r.done and not r.success and r.score == -100
 
 
+def test_the_gold_family_steps_the_gold_path_whatever_the_model_says(env):
+    """`sciworld_gold` (the bench's tail on the real engine): junk and unparsed replies step the gold
+    path, so a task ends a success within its gold length, and a cap below that truncates."""
+    from envs.sciworld_gold import GoldSciWorldEnv
+
+    tid = _first_id("lifespan-longest-lived")
+    n = len(env.gold_actions(tid))
+    gold = GoldSciWorldEnv()
+    try:
+        obs, info = gold.reset(tid, max_rounds=n + 5)
+        assert obs.startswith("Your task is to") and info["gold_length"] == n
+        done, rounds = False, 0
+        while not done:
+            rounds += 1
+            obs, score, done, info = gold.step("dance wildly" if rounds % 2 else None)
+        assert rounds <= n and gold.success(score, done, info) and not info["truncated"]
+        gold.reset(tid, max_rounds=rounds - 1)
+        for k in range(rounds - 1):
+            obs, score, done, info = gold.step("dance wildly")
+            assert done == (k == rounds - 2)
+        assert info["truncated"] and not gold.success(score, done, info)
+    finally:
+        gold.close()
+
+
 def test_invalid_actions_and_step_cap(env):
     tid = _first_id("chemistry-mix")
     env.reset(tid, max_rounds=3)

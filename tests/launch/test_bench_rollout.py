@@ -8,6 +8,7 @@ import time
 import pytest
 
 from envs.pool import EnvPool
+from envs.tail import TailEnv
 from launch.bench.rollout import _cpu_s
 from tests.paths import ROOT
 
@@ -66,7 +67,7 @@ def test_bad_flags_are_refused():
     out = _bench("--rollout_families=builtin,nosuch")
     assert out.returncode == 1 and out.stderr.strip().splitlines() == [
         "bench: error: --rollout_families: no family nosuch; known: alfworld, appworld, builtin, chaos, sciworld, "
-        "tail, tau2, webshop"]
+        "sciworld_gold, tail, tau2, webshop"]
 
 
 def test_the_partial_line_compares_partial_rollouts_off_and_on():
@@ -86,6 +87,12 @@ def test_the_partial_line_compares_partial_rollouts_off_and_on():
                                                               rel=0.002)
         assert 0 < line[f"{mode}_occupancy"] <= 1 and 0 <= line[f"{mode}_low_occupancy_share"] <= 1
     assert line["speedup"] == pytest.approx(line["off_per_episode_s"] / line["on_per_episode_s"], rel=0.005)
+    # every group trained, so the trained episodes' ends are their tasks' known ones (group g: the g-th test task)
+    tail = TailEnv()
+    for mode in ("off", "on"):
+        capped = [tail.length(t) > 4 for t in tail.task_ids("test")[:line[f"{mode}_groups"]]]
+        assert line[f"{mode}_capped_share"] == round(sum(capped) / len(capped), 3)
+        assert line[f"{mode}_success_share"] == round(1 - sum(capped) / len(capped), 3)
 
 
 def test_bad_partial_flags_are_refused():
