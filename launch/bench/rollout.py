@@ -47,7 +47,8 @@ the longer turns of the call decode; with p = 0 every turn runs to the cap and a
 With `--rollout_partial_steps=N`, a second line per family (`"measure": "partial"`) compares the
 rollout wall time per trained episode of N training steps with partial rollouts off and on (same
 sampler, same pool, tasks_per_step = `--rollout_episodes` / `--rollout_group_size` groups trained a
-step, group g on the g-th test task). Off: each step plays tasks_per_step new groups to the end. On:
+step, group g on the g-th task of a fixed shuffle of the test tasks; `--norollout_overlap`: this line
+only). Off: each step plays tasks_per_step new groups to the end. On:
 as `PartialRollouts.step` (`cope_jax/stages/partial.py`) with groups_in_flight = 2 x tasks_per_step:
 each step tops the parked groups up with new ones and ends once tasks_per_step groups are complete;
 the last step plays every group to its end. Each mode uses a fresh runner; one untimed pass of each
@@ -65,6 +66,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import random
 import time
 
 import jax
@@ -87,6 +89,8 @@ flags.DEFINE_float("rollout_update_s", 1.0,
 flags.DEFINE_float("rollout_turn_end", 0.08,
                    "Random policy only: the fraction of the vocabulary that ends a turn, so turns end at "
                    "uneven lengths as a trained policy's do (0: every turn runs to --rollout_turn_tokens).")
+flags.DEFINE_bool("rollout_overlap", True, "Measure the overlap line (false: only the `measure: partial` line "
+                  "of --rollout_partial_steps).")
 flags.DEFINE_integer("rollout_partial_steps", 0, "Training steps of the partial-rollouts comparison "
                      "(the `measure: partial` line; 0: not measured).")
 flags.DEFINE_integer("rollout_group_size", 4, "Episodes per group (one task) in the partial-rollouts comparison.")
@@ -331,10 +335,11 @@ def _line(fields: dict, best: dict, compiled: dict, compile_s: float) -> dict:
 
 
 class _Tasks:
-    """The partial-rollouts comparison's tasks: the family's test tasks in order, round and round."""
+    """The partial-rollouts comparison's tasks: the family's test tasks in a fixed shuffled order,
+    round and round (a family's ids run in task-type order, and a training run draws them shuffled)."""
 
     def __init__(self, task_ids: list[int]):
-        self.task_ids, self.next = task_ids, 0
+        self.task_ids, self.next = random.Random(0).sample(task_ids, len(task_ids)), 0
 
     def take(self, n: int) -> list[int]:
         self.next += n
@@ -445,6 +450,8 @@ def run(argv) -> None:
     if FLAGS.rollout_update_s < 0:
         raise app.UsageError(f"--rollout_update_s must be >= 0, got {FLAGS.rollout_update_s}")
     _check_partial_flags()
+    if not FLAGS.rollout_overlap and not FLAGS.rollout_partial_steps:
+        raise app.UsageError("--norollout_overlap measures only the partial line: give --rollout_partial_steps")
     from envs.registry import FAMILIES
 
     unknown = [f for f in FLAGS.rollout_families if f not in FAMILIES]
@@ -452,7 +459,8 @@ def run(argv) -> None:
         raise app.UsageError(f"--rollout_families: no family {', '.join(unknown)}; known: {', '.join(sorted(FAMILIES))}")
     model, tokenizer, style, eos_ids = _policy()
     for family in FLAGS.rollout_families:
-        print(json.dumps(measure(family, model, tokenizer, style, eos_ids)), flush=True)
+        if FLAGS.rollout_overlap:
+            print(json.dumps(measure(family, model, tokenizer, style, eos_ids)), flush=True)
         if FLAGS.rollout_partial_steps:
             print(json.dumps(measure_partial(family, model, tokenizer, style, eos_ids)), flush=True)
 

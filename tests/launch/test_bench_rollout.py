@@ -9,7 +9,7 @@ import pytest
 
 from envs.pool import EnvPool
 from envs.tail import TailEnv
-from launch.bench.rollout import _cpu_s
+from launch.bench.rollout import _cpu_s, _Tasks
 from tests.paths import ROOT
 
 SMALL = ["--suite=rollout", "--rollout_families=builtin", "--rollout_episodes=4", "--rollout_rounds=2",
@@ -72,11 +72,11 @@ def test_bad_flags_are_refused():
 
 def test_the_partial_line_compares_partial_rollouts_off_and_on():
     out = _bench("--rollout_families=tail", "--rollout_episodes=4", "--rollout_group_size=2", "--rollout_rounds=4",
-                 "--rollout_partial_steps=3")
+                 "--rollout_partial_steps=3", "--norollout_overlap")
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [json.loads(ln) for ln in out.stdout.splitlines() if ln.startswith("{")]
-    assert [ln.get("measure") for ln in lines] == [None, "partial"]  # after the family's overlap line
-    line = lines[1]
+    assert [ln.get("measure") for ln in lines] == ["partial"]  # the family's overlap line not measured
+    (line,) = lines
     assert line["family"] == "tail" and line["tasks_per_step"] == 2 and line["groups_in_flight"] == 4
     # off trains steps x tasks_per_step groups; on drains at its last step, so trains every group it started
     assert line["off_groups"] == 3 * 2 and line["off_episodes"] == 3 * 2 * 2
@@ -87,15 +87,18 @@ def test_the_partial_line_compares_partial_rollouts_off_and_on():
                                                               rel=0.002)
         assert 0 < line[f"{mode}_occupancy"] <= 1 and 0 <= line[f"{mode}_low_occupancy_share"] <= 1
     assert line["speedup"] == pytest.approx(line["off_per_episode_s"] / line["on_per_episode_s"], rel=0.005)
-    # every group trained, so the trained episodes' ends are their tasks' known ones (group g: the g-th test task)
+    # every group trained, so the trained episodes' ends are their tasks' known ones (group g: the g-th
+    # task of the bench's shuffle)
     tail = TailEnv()
     for mode in ("off", "on"):
-        capped = [tail.length(t) > 4 for t in tail.task_ids("test")[:line[f"{mode}_groups"]]]
+        capped = [tail.length(t) > 4 for t in _Tasks(tail.task_ids("test")).take(line[f"{mode}_groups"])]
         assert line[f"{mode}_capped_share"] == round(sum(capped) / len(capped), 3)
         assert line[f"{mode}_success_share"] == round(1 - sum(capped) / len(capped), 3)
 
 
 def test_bad_partial_flags_are_refused():
+    out = _bench("--norollout_overlap")
+    assert out.returncode != 0 and "give --rollout_partial_steps" in out.stderr
     out = _bench("--rollout_partial_steps=-1")
     assert out.returncode != 0 and "--rollout_partial_steps must be >= 0" in out.stderr
     out = _bench("--rollout_partial_steps=2", "--rollout_group_size=3")
