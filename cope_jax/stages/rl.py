@@ -325,6 +325,7 @@ def _step_record(trajs, step_metrics, host, examples, rstats, mbs, rollout_s, tr
            "env_steps_per_s": rstats.env_steps / max(rstats.wall_s, 1e-9),
            "env_replays": float(rstats.replays),
            "rollout_occupancy": rstats.occupancy, "rollout_low_occupancy_share": rstats.low_occupancy_share,
+           "rollout_prefill_tokens": float(rstats.prefill_tokens),
            **{k: float(v) for k, v in host.items()}}
     tokens = sum(float(m.batch.segment_ids.astype(bool).sum()) for m in mbs)
     rec["train_tokens_per_s"] = tokens / max(train_s, 1e-9)

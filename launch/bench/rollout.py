@@ -56,7 +56,8 @@ warms up. Per mode (its best repeat: least wall per episode): `*_wall_s` (the ru
 `*_episodes` (trained), `*_groups` (started: all train, as both modes end drained),
 `*_per_episode_s`, `*_capped_share` and `*_success_share` (of the trained episodes: ended by the
 round cap, successes), `*_occupancy`, `*_low_occupancy_share`, `*_decode_calls`, `*_env_steps`,
-`*_gen_tokens`, `*_compile_s`. `speedup` = off over on per episode; `calls_ratio` the same for
+`*_gen_tokens`, `*_prefill_tokens` (put into the cache; on, that counts the parked episodes'
+contexts again), `*_compile_s`. `speedup` = off over on per episode; `calls_ratio` the same for
 sampler calls per episode: the speed-up where a call costs the same whatever its rows (an
 accelerator's decode). On a CPU a call's cost grows with the rows it decodes, so fuller calls gain
 less wall time there (docs/benchmarks.md).
@@ -76,6 +77,10 @@ flags.DEFINE_list("rollout_families", ["builtin", "sciworld"], "Environment fami
 flags.DEFINE_integer("rollout_workers", 4, "Environment worker processes.")
 flags.DEFINE_integer("rollout_envs_per_worker", 2, "Environment instances (live episodes) per worker.")
 flags.DEFINE_integer("rollout_rows", 0, "Sampler rows (0: one per environment instance).")
+flags.DEFINE_integer("rollout_row_devices", 0, "Shard the sampler's rows over this many devices (a `data` mesh axis; "
+                     "on a CPU host, host devices the bench makes), so every sampler call decodes all its rows, "
+                     "as a memory-bound accelerator's costs (0: one device; its calls decode only the rows that "
+                     "have a turn to sample).")
 flags.DEFINE_integer("rollout_episodes", 16, "Episodes per rollout batch.")
 flags.DEFINE_integer("rollout_rounds", 8, "Environment steps per episode (max rounds).")
 flags.DEFINE_integer("rollout_turn_tokens", 24, "Generation cap per assistant turn.")
@@ -175,6 +180,19 @@ def replay_actions(pool, family: str, trajs, max_rounds: int) -> tuple[float, in
     return time.perf_counter() - t0, sum(p["played"] for p in played)
 
 
+def _row_mesh():
+    """The mesh `--rollout_row_devices` shards the sampler's rows over (None: one device)."""
+    import models
+
+    n = FLAGS.rollout_row_devices
+    if not n:
+        return None
+    if jax.device_count() < n:
+        raise app.UsageError(f"--rollout_row_devices={n}: {jax.device_count()} devices (JAX started before the "
+                             "bench could make host devices)")
+    return models.make_mesh((n, 1, 1), devices=jax.devices()[:n])
+
+
 def _policy():
     """(model, tokenizer, chat style, end-of-turn ids) of the benchmark."""
     import numpy as np
@@ -182,10 +200,11 @@ def _policy():
     import models
     from cope_jax.rollout.tokenizer import load_tokenizer
 
+    mesh = _row_mesh()
     if FLAGS.rollout_model:
         if FLAGS.rollout_turn_end:
             raise app.UsageError("--rollout_turn_end shapes the random policy; a --rollout_model ends its own turns")
-        model, _ = models.load_model(FLAGS.rollout_model)
+        model, _ = models.load_model(FLAGS.rollout_model, mesh=mesh)
         tok = load_tokenizer(FLAGS.rollout_model)
         return model, tok, "qwen2.5", tuple(tok.eos_ids)
     if not 0 <= FLAGS.rollout_turn_end < 1:
@@ -198,7 +217,7 @@ def _policy():
     # a random model's next token is spread over the vocabulary: treating a random fraction p of it
     # as end-of-turn ids ends each turn after ~1/p tokens, at a different length per turn
     ends = np.random.default_rng(0).permutation(tok.vocab_size)[:round(FLAGS.rollout_turn_end * tok.vocab_size)]
-    return models.create_model(cfg, seed=0), tok, "qwen2.5", tuple(tok.eos_ids) + tuple(int(i) for i in ends)
+    return models.create_model(cfg, seed=0, mesh=mesh), tok, "qwen2.5", tuple(tok.eos_ids) + tuple(int(i) for i in ends)
 
 
 def _cpu_s(pool) -> float:
@@ -245,6 +264,9 @@ def _parts(family_name: str, model, tokenizer, style: str, eos_ids):
 
     rows = FLAGS.rollout_rows or FLAGS.rollout_workers * FLAGS.rollout_envs_per_worker
     sampler = Sampler(model, batch_size=rows, max_len=MAX_LEN, eos_ids=eos_ids)
+    if FLAGS.rollout_row_devices and sampler.gather:
+        raise RuntimeError(f"the sampler gathers its rows on mesh {dict(model.mesh.shape)}: --rollout_row_devices "
+                           "would measure nothing")
     cfg = RolloutConfig(max_rounds=FLAGS.rollout_rounds, max_turn_tokens=FLAGS.rollout_turn_tokens,
                         temperature=1.0)
     if FLAGS.rollout_stream_every:
@@ -305,6 +327,7 @@ def measure(family_name: str, model, tokenizer, style: str, eos_ids) -> dict:
             timed("sync_wall_s", lambda: lockstep.run(schedule, key), wall)
     family.close()
     fields = {"suite": "rollout", "family": family_name, "workers": workers, "envs_per_worker": instances, "rows": rows,
+              "row_devices": FLAGS.rollout_row_devices,
               "episodes": len(schedule), "env_steps": stats.env_steps, "env_steps_replayed": env_steps,
               "gen_tokens": stats.generated_tokens, "gen_tokens_replayed": rstats.generated_tokens,
               "occupancy": round(stats.occupancy, 3), "low_occupancy_share": round(stats.low_occupancy_share, 3),
@@ -404,8 +427,9 @@ def measure_partial(family_name: str, model, tokenizer, style: str, eos_ids) -> 
     fields = {"suite": "rollout", "family": family_name, "measure": "partial", "steps": FLAGS.rollout_partial_steps,
               "group_size": FLAGS.rollout_group_size, "tasks_per_step": per_step, "groups_in_flight": 2 * per_step,
               "rows": sampler.batch_size, "workers": FLAGS.rollout_workers,
-              "envs_per_worker": FLAGS.rollout_envs_per_worker, "rounds": FLAGS.rollout_rounds,
-              "turn_end": FLAGS.rollout_turn_end, "tail_call_s": FLAGS.rollout_tail_call_s}
+              "envs_per_worker": FLAGS.rollout_envs_per_worker, "row_devices": FLAGS.rollout_row_devices,
+              "rounds": FLAGS.rollout_rounds, "turn_end": FLAGS.rollout_turn_end,
+              "tail_call_s": FLAGS.rollout_tail_call_s}
     return _partial_line(fields, runs)
 
 
@@ -425,7 +449,7 @@ def _partial_line(fields: dict, runs: dict[str, list]) -> dict:
                     f"{mode}_occupancy": round(stats.occupancy, 3),
                     f"{mode}_low_occupancy_share": round(stats.low_occupancy_share, 3),
                     f"{mode}_decode_calls": stats.decode_calls, f"{mode}_env_steps": stats.env_steps,
-                    f"{mode}_gen_tokens": stats.generated_tokens,
+                    f"{mode}_gen_tokens": stats.generated_tokens, f"{mode}_prefill_tokens": stats.prefill_tokens,
                     f"{mode}_compile_s": round(compile_s, 3)})
     out["speedup"] = round(out["off_per_episode_s"] / out["on_per_episode_s"], 3)
     # the speed-up where a sampler call costs the same whatever its rows (an accelerator's decode)
@@ -450,6 +474,14 @@ def run(argv) -> None:
     if FLAGS.rollout_update_s < 0:
         raise app.UsageError(f"--rollout_update_s must be >= 0, got {FLAGS.rollout_update_s}")
     _check_partial_flags()
+    rows = FLAGS.rollout_rows or FLAGS.rollout_workers * FLAGS.rollout_envs_per_worker
+    if FLAGS.rollout_row_devices < 0 or (FLAGS.rollout_row_devices and rows % FLAGS.rollout_row_devices):
+        raise app.UsageError(f"--rollout_row_devices={FLAGS.rollout_row_devices} must be >= 0 and divide the "
+                             f"sampler's {rows} rows")
+    if FLAGS.rollout_row_devices and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        # before JAX starts its backends (the suite's first device use is below)
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count="
+                                   f"{FLAGS.rollout_row_devices}").strip()
     if not FLAGS.rollout_overlap and not FLAGS.rollout_partial_steps:
         raise app.UsageError("--norollout_overlap measures only the partial line: give --rollout_partial_steps")
     from envs.registry import FAMILIES

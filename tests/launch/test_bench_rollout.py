@@ -72,12 +72,13 @@ def test_bad_flags_are_refused():
 
 def test_the_partial_line_compares_partial_rollouts_off_and_on():
     out = _bench("--rollout_families=tail", "--rollout_episodes=4", "--rollout_group_size=2", "--rollout_rounds=4",
-                 "--rollout_partial_steps=3", "--norollout_overlap")
+                 "--rollout_partial_steps=3", "--norollout_overlap", "--rollout_row_devices=2")
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [json.loads(ln) for ln in out.stdout.splitlines() if ln.startswith("{")]
     assert [ln.get("measure") for ln in lines] == ["partial"]  # the family's overlap line not measured
     (line,) = lines
     assert line["family"] == "tail" and line["tasks_per_step"] == 2 and line["groups_in_flight"] == 4
+    assert line["row_devices"] == 2  # rows sharded over two host devices (the bench refuses a gathering sampler)
     # off trains steps x tasks_per_step groups; on drains at its last step, so trains every group it started
     assert line["off_groups"] == 3 * 2 and line["off_episodes"] == 3 * 2 * 2
     assert line["on_groups"] >= 3 * 2 and line["on_episodes"] == 2 * line["on_groups"]
@@ -86,6 +87,7 @@ def test_the_partial_line_compares_partial_rollouts_off_and_on():
         assert line[f"{mode}_per_episode_s"] == pytest.approx(line[f"{mode}_wall_s"] / line[f"{mode}_episodes"],
                                                               rel=0.002)
         assert 0 < line[f"{mode}_occupancy"] <= 1 and 0 <= line[f"{mode}_low_occupancy_share"] <= 1
+        assert line[f"{mode}_prefill_tokens"] > line[f"{mode}_env_steps"]  # each observation's tokens at least
     assert line["speedup"] == pytest.approx(line["off_per_episode_s"] / line["on_per_episode_s"], rel=0.005)
     # every group trained, so the trained episodes' ends are their tasks' known ones (group g: the g-th
     # task of the bench's shuffle)
@@ -97,6 +99,8 @@ def test_the_partial_line_compares_partial_rollouts_off_and_on():
 
 
 def test_bad_partial_flags_are_refused():
+    out = _bench("--rollout_row_devices=3")
+    assert out.returncode != 0 and "--rollout_row_devices=3 must be >= 0 and divide the sampler's 2 rows" in out.stderr
     out = _bench("--norollout_overlap")
     assert out.returncode != 0 and "give --rollout_partial_steps" in out.stderr
     out = _bench("--rollout_partial_steps=-1")

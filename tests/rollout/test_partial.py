@@ -65,6 +65,11 @@ def test_a_parked_episode_continues_in_the_next_run_with_its_tokens_and_logprobs
     trajs, stats = runner.run([], jax.random.key(1), complete_groups=0, version=1)
     _assert_continued(trajs, before)
     assert stats.replays == 0 and runner.parked == []
+    # each continued episode's context went into the cache again (the cost of parking): the tokens
+    # of the two trajectories were prefilled or sampled in this run, all but the closing tokens
+    # of each one's last turn (never fed back: the episode ended)
+    assert stats.prefill_tokens > sum(len(tokens) for tokens, _, _ in before)
+    assert 0 < sum(len(t.tokens) for t in trajs) - stats.generated_tokens - stats.prefill_tokens <= 2 * len(trajs)
 
 
 def test_a_parked_episode_whose_environment_is_gone_is_caught_up_from_its_checkpoint_form(runner):

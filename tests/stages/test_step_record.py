@@ -28,10 +28,11 @@ def test_tau2_overall_is_the_unweighted_mean_of_its_domains():
 def test_the_step_record_reports_tau2_as_its_domain_mean():
     trajs = _episodes("retail", 40, True) + _episodes("airline", 20, False)
     stats = RolloutStats(wall_s=1.0, generated_tokens=10, env_steps=5, decode_calls=4, rows_decoded=6,
-                         row_capacity=16, low_occupancy_s=0.25, host_wall_s=1.0)
+                         row_capacity=16, low_occupancy_s=0.25, host_wall_s=1.0, prefill_tokens=300)
     rec = _step_record(trajs, [], {}, [], stats, [], 1.0, 1.0, Tau2Env.overall)
     assert rec["succ"] == pytest.approx(0.5)  # count-weighted would say 0.667
     assert rec["rollout_occupancy"] == 6 / 16 and rec["rollout_low_occupancy_share"] == 0.25
+    assert rec["rollout_prefill_tokens"] == 300
 
 
 def test_a_max_is_a_max_and_a_mean_a_mean():
