@@ -80,8 +80,8 @@ class RolloutStats:
     env_steps: int = 0
     replays: int = 0  # episodes started again after their worker was lost
     decode_calls: int = 0  # sampler calls that generated a turn
-    # tokens put into the cache: prompts, observations, and a continued parked episode's whole
-    # context again (partial rollouts' cost), beside the sampled ones (`generated_tokens`)
+    # tokens put into the cache (`SamplerState.prefilled`): prompts, observations, and a continued
+    # parked episode's whole context again (partial rollouts' cost), beside the sampled ones
     prefill_tokens: int = 0
     rows_decoded: int = 0  # rows in those calls
     row_capacity: int = 0  # the sampler's rows, once per call
@@ -186,6 +186,7 @@ class RolloutRunner:
         end = time.perf_counter()
         self._count_tail(stats, end)
         stats.wall_s = stats.host_wall_s = end - t_start
+        stats.prefill_tokens = state.prefilled
         return [self.layout.trajectory(ep) for ep in episodes], stats
 
     def cancel_prefetch(self) -> None:
@@ -324,7 +325,7 @@ class RolloutRunner:
                 # once (asynchronous dispatch), so the device prefills while the loop waits for the
                 # other resets (observation turns are short: they stay batched). A group starts
                 # whole, so its shared prompt is prefilled once (`Sampler.start`)
-                self._assign_rows(state, need_row, ready, stats, held=_resetting_groups(episodes))
+                self._assign_rows(state, need_row, ready, held=_resetting_groups(episodes))
             if not cfg.sync and (ready or need_row):
                 # hold the sampler calls (prefills included) while results can still join
                 ready_since = ready_since or time.perf_counter()
@@ -374,8 +375,8 @@ class RolloutRunner:
     def _decode_round(self, state: SamplerState, need_row: list, ready: list, key, stats: RolloutStats) -> int:
         """Starts waiting episodes in free rows, prefills what the ready ones got since their last
         turn and generates their next turn; returns how many episodes ended."""
-        self._assign_rows(state, need_row, ready, stats)
-        self._extend_ready(state, ready, stats)
+        self._assign_rows(state, need_row, ready)
+        self._extend_ready(state, ready)
         ended = [ep for ep in ready if ep.done]
         for ep in ended:
             ready.remove(ep)
@@ -451,8 +452,7 @@ class RolloutRunner:
         """Tokens the episode's response may still grow by (`max_response_len` set)."""
         return self.cfg.max_response_len - (len(ep.tokens) - ep.prompt_len)
 
-    def _assign_rows(self, state: SamplerState, need_row: list, ready: list, stats: RolloutStats,
-                     held: set = frozenset()) -> None:
+    def _assign_rows(self, state: SamplerState, need_row: list, ready: list, held: set = frozenset()) -> None:
         """Starts waiting episodes in free rows, in arrival order, but those of the groups `held`."""
         free = state.free_rows()
         starting = [ep for ep in need_row if (ep.task_id, ep.group_id) not in held][:len(free)]
@@ -462,7 +462,6 @@ class RolloutRunner:
         need_row[:] = [ep for ep in need_row if id(ep) not in started]
         rows = free[:len(starting)]
         self.sampler.start([ep.to_prefill for ep in starting], state, rows=rows)
-        stats.prefill_tokens += sum(map(len, {tuple(ep.to_prefill) for ep in starting}))  # a shared prompt once
         for ep, row in zip(starting, rows):
             ep.row, ep.to_prefill = row, []
             if state.full[row]:
@@ -470,13 +469,12 @@ class RolloutRunner:
                 ep.done = True
         ready.extend(starting)
 
-    def _extend_ready(self, state: SamplerState, ready: list, stats: RolloutStats) -> None:
+    def _extend_ready(self, state: SamplerState, ready: list) -> None:
         """Prefills the tokens the ready episodes got since their last turn."""
         todo = [ep for ep in ready if ep.to_prefill and not ep.done]
         if not todo:
             return
         fits = self.sampler.extend(state, [ep.row for ep in todo], [ep.to_prefill for ep in todo])
-        stats.prefill_tokens += sum(len(ep.to_prefill) for ep in todo)
         for ep, ok in zip(todo, fits):
             ep.to_prefill = []
             if not ok:

@@ -58,6 +58,7 @@ class SamplerState:
     cached: np.ndarray  # [B] int64: tokens in the cache per row (mirror of cache.lengths)
     live: np.ndarray  # [B] bool: the row holds a sequence
     full: np.ndarray  # [B] bool: a start/extend did not fit; generate reports context_full
+    prefilled: int = 0  # tokens `start` and `extend` put into the cache (a shared prompt once)
 
     @property
     def batch_size(self) -> int:
@@ -184,6 +185,7 @@ class Sampler:
                                               lay(np.array([p[-1] for p in prompts], np.int32), 0), window=window,
                                               compact=lay.compact, shardings=self._shardings)
         state.cached[rows] = [len(p) - 1 for p in prompts]
+        state.prefilled += sum(map(len, unique))
 
     def extend(self, state: SamplerState, rows: Sequence[int], token_ids: Sequence[Sequence[int]]) -> np.ndarray:
         """Appends token_ids[i] to live row rows[i] (an observation turn), prefilling only them.
@@ -200,6 +202,7 @@ class Sampler:
         if keep:  # row tokens to append: [next input, ids[:-1]] (the leading 0 is replaced on device)
             self._append(state, self._layout(rows[keep]), [[0] + ids[i][:-1] for i in keep],
                          [ids[i][-1] for i in keep], prepend=True, shardings=self._shardings)
+            state.prefilled += sum(len(ids[i]) for i in keep)
         return fits
 
     def free(self, state: SamplerState, rows: Sequence[int]) -> None:

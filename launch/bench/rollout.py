@@ -370,10 +370,10 @@ class _Tasks:
 
 
 def play_steps(runner, task_ids: list[int], key, partial: bool):
-    """`--rollout_partial_steps` training steps' rollouts on a fresh `runner` -> (trained episodes,
-    groups started, the runs' stats summed, the trained episodes' finish reasons and successes). A step trains tasks_per_step groups. Off: that many
-    new groups (group g: the g-th task, episode ids g * group_size + member), played to the end.
-    On: `PartialRollouts` (the RL stage's own) with groups_in_flight = 2 x tasks_per_step."""
+    """`--rollout_partial_steps` training steps' rollouts on a fresh `runner` -> ((finish reason,
+    success) of each trained episode, groups started, the runs' stats summed). A step trains
+    tasks_per_step groups. Off: that many new groups (group g: the g-th task, episode ids
+    g * group_size + member), played to the end. On: `PartialRollouts` (the RL stage's own) with groups_in_flight = 2 x tasks_per_step."""
     from cope_jax.rollout.runner import RolloutStats
     from cope_jax.stages.partial import PartialRollouts
 
